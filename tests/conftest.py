@@ -1,0 +1,52 @@
+"""Shared fixtures: the array backend (NumPy always, CuPy when a CUDA device is present) and torch.
+
+Tests take an ``xp`` argument to run once per backend; the CuPy run carries the ``gpu`` marker, so
+``pytest -m gpu`` runs exactly the GPU half and a machine without a GPU reports why it skipped.
+"""
+import os
+
+import numpy as np
+import pytest
+
+
+def _cuda_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+CUDA = _cuda_available()
+
+
+@pytest.fixture(params=[
+    pytest.param("numpy", id="cpu"),
+    pytest.param("cupy", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not CUDA, reason="no CUDA device with CuPy here (pip install 'tinyvit[gpu]' on a GPU machine)")]),
+])
+def xp(request):
+    """numpy, or cupy on a CUDA machine."""
+    if request.param == "numpy":
+        return np
+    import cupy
+    return cupy
+
+
+@pytest.fixture
+def torch():
+    """PyTorch, the independent reference. Skips when it is not installed, unless
+    TINYVIT_REQUIRE_TORCH=1 (set by CI), where a missing torch is a failure, not a silent skip."""
+    try:
+        import torch as _torch
+    except ImportError:
+        if os.environ.get("TINYVIT_REQUIRE_TORCH") == "1":
+            pytest.fail("TINYVIT_REQUIRE_TORCH=1 but torch is not installed (pip install 'tinyvit[reference]')")
+        pytest.skip("torch is not installed (pip install 'tinyvit[reference]')")
+    _torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return _torch
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

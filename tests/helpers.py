@@ -1,0 +1,42 @@
+"""Helpers the op tests share: float64 inputs on a backend, and comparisons with PyTorch."""
+import numpy as np
+
+import tinyvit as tv
+from tinyvit.backend import to_numpy
+
+
+def param(xp, rng, *shape, scale=1.0, dtype=np.float64):
+    """A Tensor with requires_grad=True filled with N(0, scale^2), on xp's device."""
+    return tv.Tensor(xp.asarray(rng.standard_normal(shape) * scale, dtype=dtype), requires_grad=True)
+
+
+def const(xp, array, dtype=None):
+    """A Tensor that needs no gradient."""
+    return tv.Tensor(xp.asarray(array if dtype is None else np.asarray(array, dtype=dtype)))
+
+
+def assert_close(actual, expected, rtol, atol=0.0, what="value"):
+    """np.testing.assert_allclose on host copies, with a name in the message."""
+    actual = to_numpy(getattr(actual, "data", actual))
+    expected = np.asarray(expected.detach().cpu().numpy() if hasattr(expected, "detach") else expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+def torch_parity(torch, ours_fn, torch_fn, arrays, dtype, rtol, atol=None, seed=1):
+    """Run ``ours_fn`` (on tinyvit Tensors) and ``torch_fn`` (on torch tensors) on the same float
+    ``arrays``, backpropagate the same random upstream gradient, and compare the output and the
+    gradient of every input. ``arrays``: list of NumPy arrays (all get requires_grad)."""
+    atol = (1e-10 if dtype == np.float64 else 1e-5) if atol is None else atol
+    ours_in = [tv.Tensor(np.asarray(a, dtype=dtype), requires_grad=True) for a in arrays]
+    theirs_in = [torch.tensor(np.asarray(a, dtype=dtype), requires_grad=True) for a in arrays]
+    y = ours_fn(*ours_in)
+    t = torch_fn(*theirs_in)
+    assert_close(y, t, rtol, atol, what="forward")
+    g = np.random.default_rng(seed).standard_normal(y.shape).astype(dtype)
+    y.backward(g)
+    t.backward(torch.tensor(g))
+    for i, (a, b) in enumerate(zip(ours_in, theirs_in)):
+        assert a.grad is not None, f"input {i} got no gradient"
+        assert a.grad.dtype == dtype, f"input {i}: gradient dtype {a.grad.dtype} != {np.dtype(dtype)}"
+        assert_close(a.grad, b.grad, rtol, atol, what=f"gradient of input {i}")

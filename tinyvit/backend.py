@@ -1,0 +1,149 @@
+"""The one place that knows about NumPy versus CuPy.
+
+Every op starts with ``xp = get_array_module(x)`` and then writes ``xp.exp``, ``xp.matmul``, ...:
+the same line runs on the CPU (NumPy) and on an NVIDIA GPU (CuPy). CuPy is imported lazily, only
+when a GPU is asked for, so the CPU install needs nothing but NumPy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_cupy = None                      # the cupy module once imported, False if it is not installed
+_default_dtype = np.float32       # float32 by default; gradient checks switch to float64
+
+
+def cupy_module():
+    """Import CuPy on first use; raise a clear error naming the `gpu` extra when it is missing."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+            _cupy = cupy
+        except Exception as exc:  # ImportError, or a CUDA driver error raised at import
+            _cupy = False
+            _import_error[0] = exc
+    if _cupy is False:
+        raise RuntimeError(
+            "device 'cuda' needs CuPy, which is not available "
+            f"({_import_error[0]!r}). Install it with: pip install 'tinyvit[gpu]' "
+            "(or pip install cupy-cuda12x / cupy-cuda13x matching your CUDA driver)")
+    return _cupy
+
+
+_import_error = [None]
+
+
+def is_cupy_array(x) -> bool:
+    """True for a cupy.ndarray, checked without importing CuPy."""
+    return type(x).__module__.startswith("cupy")
+
+
+def get_array_module(*arrays):
+    """numpy or cupy: the module that owns the given arrays (numpy for scalars and lists)."""
+    for a in arrays:
+        a = getattr(a, "data", a) if hasattr(a, "requires_grad") else a   # a Tensor: look at its array
+        if is_cupy_array(a):
+            return cupy_module()
+    return np
+
+
+def device_of(array) -> str:
+    """'cpu' for NumPy arrays (and scalars), 'cuda:N' for CuPy arrays."""
+    if is_cupy_array(array):
+        return f"cuda:{array.device.id}"
+    return "cpu"
+
+
+def normalize_device(device) -> str:
+    """'cpu', 'cuda' or 'cuda:N' -> 'cpu' or 'cuda:N'. Anything else is an error."""
+    device = str(device).lower()
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        return f"cuda:{cupy_module().cuda.Device().id}"
+    if device.startswith("cuda:") and device[5:].isdigit():
+        cupy_module()
+        return device
+    raise ValueError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+
+
+def to_device(array, device):
+    """Copy ``array`` to ``device`` ('cpu', 'cuda', 'cuda:N'); returns it unchanged if already there."""
+    device = normalize_device(device)
+    if device == device_of(array):
+        return array
+    if device == "cpu":
+        return array.get()
+    cp = cupy_module()
+    with cp.cuda.Device(int(device.split(":")[1])):
+        return cp.asarray(array)
+
+
+def to_numpy(array) -> np.ndarray:
+    """A host (NumPy) copy or view of any array."""
+    return array.get() if is_cupy_array(array) else np.asarray(array)
+
+
+def get_default_dtype():
+    """The floating dtype new tensors and parameters get (float32 unless changed)."""
+    return _default_dtype
+
+
+def set_default_dtype(dtype) -> None:
+    """Switch the default floating dtype (float32 or float64)."""
+    global _default_dtype
+    dtype = np.dtype(dtype).type
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"default dtype must be float32 or float64, got {np.dtype(dtype).name}")
+    _default_dtype = dtype
+
+
+class default_dtype:
+    """Context manager: ``with default_dtype(np.float64): ...`` (used by gradient checks)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.previous = get_default_dtype()
+        set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        set_default_dtype(self.previous)
+
+
+def check_same_device(arrays, op_name: str) -> None:
+    """Raise if the arrays of one op live on different devices, naming both devices."""
+    first = None
+    for a in arrays:
+        if a is None or np.isscalar(a):
+            continue
+        d = device_of(a)
+        if first is None:
+            first = d
+        elif d != first:
+            raise RuntimeError(f"{op_name}: inputs are on different devices ({first} and {d}); "
+                               "move them with .to(device) first")
+
+
+_rng = np.random.default_rng(0)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed tinyvit's random generator (parameter init, dropout masks) and CuPy's if loaded."""
+    global _rng
+    _rng = np.random.default_rng(seed)
+    if _cupy:
+        _cupy.random.seed(seed)
+
+
+def rng() -> np.random.Generator:
+    """The global NumPy generator used for initialisation and dropout masks."""
+    return _rng
+
+
+def random_uniform(xp, shape, dtype):
+    """Uniform [0, 1) samples on xp's device, from the seeded generator (CuPy draws on the GPU)."""
+    if xp is np:
+        return _rng.random(shape, dtype=np.float32 if dtype == np.float32 else np.float64)
+    return xp.random.random(shape, dtype=dtype)

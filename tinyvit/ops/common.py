@@ -1,0 +1,35 @@
+"""Small helpers shared by the ops: input validation with messages that name the problem."""
+from __future__ import annotations
+
+from ..autograd import Tensor
+
+
+def shape_of(x):
+    """Shape of a Tensor, an array, or () for a Python number."""
+    return tuple(getattr(x, "shape", ()))
+
+
+def dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else None
+
+
+def require_float(op: str, **named) -> None:
+    """Raise TypeError if any named Tensor/array is not floating point (e.g. int pixels or labels)."""
+    for name, x in named.items():
+        if x is None:
+            continue
+        dt = dtype_of(x)
+        if dt is not None and dt.kind != "f":
+            raise TypeError(f"{op}: {name} must be a floating-point array, got dtype {dt} "
+                            f"(shape {shape_of(x)}); convert with .astype(np.float32)")
+
+
+def require_ndim(op: str, name: str, x, ndims, meaning: str) -> None:
+    """Raise ValueError unless x.ndim is in ``ndims``; ``meaning`` spells the expected layout."""
+    nd = len(shape_of(x))
+    if nd not in (ndims if isinstance(ndims, (tuple, list)) else (ndims,)):
+        raise ValueError(f"{op}: {name} must be {meaning}, got shape {shape_of(x)}")
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, Tensor)
