@@ -1,4 +1,165 @@
-"""PLACEHOLDER: being written."""
-def multi_head_attention(*args, **kwargs):
-    raise NotImplementedError('multi_head_attention is being written')
+"""Multi-head self-attention, appendix A Eq. 5-8, as one fused Function with its backward written out.
 
+    [q, k, v] = z U_qkv                      U_qkv in R^{D x 3 D_h}          (Eq. 5)
+    A = softmax(q k^T / sqrt(D_h))           A in R^{N x N}                  (Eq. 6)
+    SA(z) = A v                                                              (Eq. 7)
+    MSA(z) = [SA_1(z); ...; SA_k(z)] U_msa   U_msa in R^{k D_h x D}          (Eq. 8)
+
+With k = H heads of width D_h = D / H, all heads' U_qkv side by side form one (D, 3D) matrix whose
+columns are ordered q | k | v, each split by head: q's columns [h*D_h, (h+1)*D_h) belong to head h
+(timm's qkv layout, transposed to our (in, out) convention).
+"""
+from __future__ import annotations
+
+import math
+
+from ..autograd import Function
+from ..backend import get_array_module, random_uniform
+from .common import require_float, require_ndim, shape_of
+
+
+class MultiHeadAttention(Function):
+    """Fused multi-head self-attention (Eq. 5-8), optionally with dropout on the attention weights.
+
+    x: (B, N, D)   w_qkv: (D, 3D)   b_qkv: (3D,) or None   w_proj: (D, D)   b_proj: (D,) or None
+    ->  out: (B, N, D), and with return_attention also attn: (B, H, N, N) (softmax, before dropout).
+
+    Forward, with dh = D / H and s = 1 / sqrt(dh):
+        qkv = x W_qkv + b_qkv                 one GEMM over (B*N, D), split to q, k, v: (B, H, N, dh)
+        A = softmax(s q k^T)                  (B, H, N, N)
+        A' = A * mask / (1 - p)               dropout (training only; mask = uniform >= p)
+        ctx = A' v                            (B, H, N, dh), heads merged back to (B*N, D)
+        out = ctx W_proj + b_proj
+    Backward, from gy = dL/dout (and gA = dL/dattn when the attention map feeds a loss):
+        dW_proj = ctx^T gy,  db_proj = sum gy,  dctx = gy W_proj^T
+        dA' = dctx v^T,  dv = A'^T dctx,  dA = dA' * mask / (1 - p) + gA
+        dS = A * (dA - sum(dA * A, last axis))          softmax backward
+        dq = s dS k,  dk = s dS^T q
+        dqkv = [dq | dk | dv],  dx = dqkv W_qkv^T,  dW_qkv = x^T dqkv,  db_qkv = sum dqkv
+    """
+
+    def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
+                return_attention=False):
+        xp = get_array_module(x)
+        b, n, d = x.shape
+        h = num_heads
+        dh = d // h
+        scale = 1.0 / math.sqrt(dh)                       # a Python float: float32 stays float32
+
+        rows = x.reshape(b * n, d)
+        qkv = rows @ w_qkv                                # (B*N, 3D), Eq. 5 for all heads at once
+        if b_qkv is not None:
+            qkv += b_qkv
+        qkv = xp.ascontiguousarray(qkv.reshape(b, n, 3, h, dh).transpose(2, 0, 3, 1, 4))  # (3, B, H, N, dh)
+        q, k, v = qkv[0], qkv[1], qkv[2]                  # each (B, H, N, dh), contiguous
+
+        a = q @ k.swapaxes(-1, -2)                        # (B, H, N, N) logits
+        a *= scale
+        a -= a.max(axis=-1, keepdims=True)                # softmax, Eq. 6 (shifted for stability)
+        xp.exp(a, out=a)
+        a /= a.sum(axis=-1, keepdims=True)
+
+        mask, keep_scale, a_drop = None, 1.0, a
+        if training and attn_dropout > 0.0:
+            mask = random_uniform(xp, a.shape, a.dtype) >= attn_dropout
+            keep_scale = 1.0 / (1.0 - attn_dropout) if attn_dropout < 1.0 else 0.0
+            a_drop = a * mask
+            a_drop *= keep_scale
+
+        ctx = a_drop @ v                                  # (B, H, N, dh), Eq. 7
+        merged = ctx.transpose(0, 2, 1, 3).reshape(b * n, d)  # heads side by side, (B*N, D)
+        out = merged @ w_proj                             # Eq. 8
+        if b_proj is not None:
+            out += b_proj
+
+        self.save(rows, w_qkv, qkv, a, mask, keep_scale, merged if self.needs_input_grad[3] else None,
+                  w_proj, scale)
+        out = out.reshape(b, n, d)
+        return (out, a) if return_attention else out
+
+    def backward(self, gy, g_attn=None):
+        rows, w_qkv, qkv, a, mask, keep_scale, merged, w_proj, scale = self.saved
+        xp = get_array_module(a)
+        need = self.needs_input_grad
+        _, b, h, n, dh = qkv.shape
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        dw_proj = db_proj = None
+        if gy is not None:
+            g2 = gy.reshape(b * n, h * dh)                # (B*N, D)
+            if need[3]:
+                dw_proj = merged.T @ g2
+            if need[4]:
+                db_proj = g2.sum(axis=0)
+        if not (need[0] or need[1] or need[2]):
+            return None, None, None, dw_proj, db_proj
+
+        dqkv = xp.empty_like(qkv)                         # (3, B, H, N, dh): dq, dk, dv
+        if gy is not None:
+            dctx = (g2 @ w_proj.T).reshape(b, n, h, dh).transpose(0, 2, 1, 3)   # (B, H, N, dh)
+            a_drop = a if mask is None else a * mask * keep_scale
+            xp.matmul(a_drop.swapaxes(-1, -2), dctx, out=dqkv[2])               # dv = A'^T dctx
+            da = dctx @ v.swapaxes(-1, -2)                                      # (B, H, N, N)
+            if mask is not None:
+                da *= mask
+                da *= keep_scale
+            if g_attn is not None:
+                da += g_attn
+        else:                                             # only the attention map feeds the loss
+            dqkv[2] = 0
+            da = g_attn.copy()
+
+        ds = da                                           # softmax backward, in place on da
+        ds -= (da * a).sum(axis=-1, keepdims=True)
+        ds *= a
+        ds *= scale
+        xp.matmul(ds, k, out=dqkv[0])                     # dq = s dS k
+        xp.matmul(ds.swapaxes(-1, -2), q, out=dqkv[1])    # dk = s dS^T q
+
+        dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(b * n, 3 * h * dh)   # back to (B*N, 3D) columns
+        dx = (dqkv @ w_qkv.T).reshape(b, n, h * dh) if need[0] else None
+        dw_qkv = rows.T @ dqkv if need[1] else None
+        db_qkv = dqkv.sum(axis=0) if need[2] else None
+        return dx, dw_qkv, db_qkv, dw_proj, db_proj
+
+
+# ---------------------------------------------------------------- the function users call
+
+
+def _require_same_dtype(op, **named):
+    """Raise TypeError unless every named float array has one dtype (mixing would upcast silently)."""
+    dtypes = {name: x.dtype for name, x in named.items() if x is not None and hasattr(x, "dtype")}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
+        raise TypeError(f"{op}: inputs must share one floating dtype, got {listing}")
+
+
+def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
+                         return_attention=False):
+    """Multi-head self-attention (appendix A, Eq. 5-8) on tokens x: (B, N, D) -> (B, N, D).
+
+    w_qkv: (D, 3D) with columns q | k | v, heads split within each; b_qkv: (3D,) or None;
+    w_proj: (D, D); b_proj: (D,) or None; D must be divisible by num_heads.
+    attn_dropout: dropout probability on the attention weights, applied only when training.
+    return_attention: also return the softmax attention weights (B, H, N, N) (before dropout).
+    """
+    op = "multi_head_attention"
+    require_float(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
+    _require_same_dtype(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
+    require_ndim(op, "x", x, 3, "tokens (B, N, D)")
+    if w_qkv is None or w_proj is None:
+        raise ValueError(f"{op}: w_qkv and w_proj are required (only the biases may be None)")
+    d = shape_of(x)[-1]
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"{op}: num_heads must be a positive integer, got {num_heads!r}")
+    if d % num_heads:
+        raise ValueError(f"{op}: the embedding size D={d} is not divisible by num_heads={num_heads}")
+    expected = {"w_qkv": (w_qkv, (d, 3 * d)), "b_qkv": (b_qkv, (3 * d,)),
+                "w_proj": (w_proj, (d, d)), "b_proj": (b_proj, (d,))}
+    for name, (value, shape) in expected.items():
+        if value is not None and shape_of(value) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape} for x of shape {shape_of(x)} "
+                             f"(D={d}; weights are (in, out)), got {shape_of(value)}")
+    if not 0.0 <= attn_dropout <= 1.0:
+        raise ValueError(f"{op}: attn_dropout must be a probability in [0, 1], got {attn_dropout!r}")
+    return MultiHeadAttention.apply(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, float(attn_dropout),
+                                    bool(training), return_attention=bool(return_attention))

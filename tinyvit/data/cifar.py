@@ -1,0 +1,236 @@
+"""CIFAR-10 and CIFAR-100 (Krizhevsky, 2009), read from the official "python version" archives.
+
+On disk (after extracting the .tar.gz):
+
+    cifar-10-batches-py/  data_batch_1 ... data_batch_5, test_batch   (10,000 images each)
+                          batches.meta                                 (label_names)
+    cifar-100-python/     train (50,000 images), test (10,000)         (fine_labels, coarse_labels)
+                          meta                                         (fine_label_names, coarse_label_names)
+
+Each file is a Python-2 pickle of a dict: ``data`` is a (N, 3072) uint8 array whose rows hold the
+1024 red, then 1024 green, then 1024 blue pixels of a 32x32 image, row by row, so
+``data.reshape(N, 3, 32, 32)`` is already NCHW. Labels are lists of ints.
+
+A pickle can run arbitrary code when loaded, so these files are read with :class:`SafeUnpickler`,
+which rebuilds only NumPy arrays and refuses every other class or function by name.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .dataset import CIFAR10_MEAN, CIFAR10_STD, CIFAR100_MEAN, CIFAR100_STD, ImageDataset
+from .download import default_data_dir, download as download_archive, extract_tar, md5sum
+from .errors import DataFileMissing, DataFormatError, DatasetUnavailable, DownloadError, UnsafePickleError
+
+try:                                                    # NumPy 2 moved numpy.core to numpy._core
+    from numpy._core.multiarray import _reconstruct, scalar as _np_scalar
+except ImportError:                                     # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import _reconstruct, scalar as _np_scalar
+
+
+def _latin1_encode(text, encoding="latin1"):
+    """``_codecs.encode`` as Python 3 writes bytes in protocol-2 pickles; only latin-1 is allowed."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise UnsafePickleError(f"_codecs.encode called with encoding {encoding!r}; only latin1 is allowed")
+    return text.encode("latin1")
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that can rebuild dicts, lists, strings, bytes, numbers and NumPy arrays, nothing else.
+
+    Plain containers and scalars need no lookup at all; the only globals a CIFAR batch names are the
+    ones NumPy uses to pickle an array. Anything else (``os.system``, ``builtins.eval``, ...) raises
+    UnsafePickleError naming the refused ``module.name``.
+    """
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,    # how NumPy 1.x pickles arrays
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,   # how NumPy 2.x pickles arrays
+        ("numpy.core.multiarray", "scalar"): _np_scalar,
+        ("numpy._core.multiarray", "scalar"): _np_scalar,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): _latin1_encode,                      # bytes in Python-3 protocol 2
+    }
+
+    def __init__(self, file, source="<pickle>"):
+        super().__init__(file, encoding="latin1")      # latin1: how NumPy reads Python-2 array data
+        self.source = source
+
+    def find_class(self, module, name):
+        try:
+            return self.ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"{self.source}: refusing to unpickle {module}.{name}: a CIFAR batch holds only dicts, "
+                "lists, strings, numbers and NumPy arrays. The file is not a genuine CIFAR batch "
+                "(possibly malicious); delete it and download the dataset again") from None
+
+
+def _str(x):
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def read_cifar_batch(path) -> dict:
+    """Unpickle one CIFAR file safely; returns its dict with ``str`` keys (``data``, ``labels``, ...)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileMissing(f"CIFAR file {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            obj = SafeUnpickler(f, source=str(path)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:        # UnpicklingError, EOFError (truncated), ValueError, ...
+        raise DataFormatError(f"{path} is not a readable CIFAR pickle ({exc!r})") from exc
+    if not isinstance(obj, dict):
+        raise DataFormatError(f"{path}: expected a pickled dict, found {type(obj).__name__}")
+    return {_str(k): v for k, v in obj.items()}
+
+
+def _images_and_labels(batch: dict, path, label_key: str):
+    """(N, 3072) uint8 rows -> (N, 3, 32, 32) images; the label list -> (N,) int64."""
+    for key in ("data", label_key):
+        if key not in batch:
+            raise DataFormatError(f"{path}: missing key {key!r} (found {sorted(batch)})")
+    data = batch["data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise DataFormatError(f"{path}: 'data' must be a (N, 3072) uint8 array, got "
+                              f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+    labels = np.asarray(batch[label_key], dtype=np.int64)
+    if labels.shape != (data.shape[0],):
+        raise DataFormatError(f"{path}: {len(labels)} labels for {data.shape[0]} images")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+@dataclass(frozen=True)
+class CifarSpec:
+    """Where one CIFAR variant comes from and what its extracted folder must contain."""
+    key: str                # "cifar10" or "cifar100"
+    title: str
+    url: str
+    md5: str                # of the .tar.gz, as published on https://www.cs.toronto.edu/~kriz/cifar.html
+    folder: str             # the top-level folder inside the archive
+    train_files: tuple
+    test_files: tuple
+    meta_file: str
+
+    @property
+    def archive(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def files(self) -> tuple:
+        return self.train_files + self.test_files + (self.meta_file,)
+
+
+CIFAR = {
+    "cifar10": CifarSpec("cifar10", "CIFAR-10", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                         "c58f30108f718f92721af3b95e74349a", "cifar-10-batches-py",
+                         tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "batches.meta"),
+    "cifar100": CifarSpec("cifar100", "CIFAR-100", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                          "eb9058c3a382ffc7106e4002c42a8d85", "cifar-100-python",
+                          ("train",), ("test",), "meta"),
+}
+
+
+def _spec(name: str) -> CifarSpec:
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in CIFAR:
+        raise ValueError(f"unknown CIFAR dataset {name!r}: expected 'cifar10' or 'cifar100'")
+    return CIFAR[key]
+
+
+def is_complete(folder, name: str) -> bool:
+    """True when ``folder`` holds every (non-empty) file of the named CIFAR variant."""
+    folder = Path(folder)
+    return all((folder / f).is_file() and (folder / f).stat().st_size > 0 for f in _spec(name).files)
+
+
+def _instructions(spec: CifarSpec, root: Path, url: str, reason: str) -> str:
+    return (f"{spec.title} is not in {root} and {reason}.\n"
+            f"To provide it by hand, download {url}\n"
+            f"  and either extract it into {root} (so that {root / spec.folder / spec.files[0]} exists)\n"
+            f"  or put the archive {spec.archive} itself into {root};\n"
+            f"then run again with --data-dir {root} (or set TINYVIT_DATA={root}).\n"
+            f"(`python data_scripts/download_cifar.py --dataset {spec.key} --root DIR` downloads and "
+            "checks it on any machine with internet access.)")
+
+
+def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool = True,
+                 progress: bool = True) -> Path:
+    """Return the extracted CIFAR folder (e.g. ``root/cifar-10-batches-py``), fetching it if needed.
+
+    Looks, in order, for: a complete ``root/<folder>``; ``root`` itself being that folder; the
+    archive ``root/<name>-python.tar.gz`` (checked against the official MD5, then extracted);
+    finally, when ``download`` is true, downloads ``url`` (default: the official URL; a mirror must
+    serve the identical file) into ``root``. ``root`` defaults to :func:`default_data_dir`.
+    Raises DatasetUnavailable with step-by-step instructions when none of that works.
+    """
+    spec = _spec(name)
+    root = Path(root).expanduser() if root is not None else default_data_dir()
+    url = url or spec.url
+    for folder in (root / spec.folder, root):
+        if is_complete(folder, name):
+            return folder
+    valid = lambda p: is_complete(p, name)               # noqa: E731
+    try:
+        local = root / spec.archive
+        if local.is_file():
+            got = md5sum(local)
+            if got != spec.md5:
+                raise DatasetUnavailable(f"{local} has MD5 {got}, but the official {spec.archive} has "
+                                         f"{spec.md5}: it is corrupt or incomplete; delete it and run again")
+            return extract_tar(local, root, spec.folder, valid)
+        if not download:
+            raise DatasetUnavailable(_instructions(spec, root, url, "downloading is turned off"))
+        return download_archive(url, root, spec.md5, spec.folder, valid, progress=progress)
+    except (DownloadError, OSError) as exc:
+        if isinstance(exc, DatasetUnavailable):
+            raise
+        raise DatasetUnavailable(_instructions(spec, root, url, f"could not be fetched: {exc}")) from exc
+
+
+def load_cifar10(root=None, download: bool = True, url: Optional[str] = None,
+                 progress: bool = True) -> ImageDataset:
+    """CIFAR-10: 50,000 train + 10,000 test images (3, 32, 32) uint8 in 10 classes.
+
+    root: the data folder that holds (or will hold) ``cifar-10-batches-py``; see :func:`ensure_cifar`.
+    """
+    folder = ensure_cifar("cifar10", root, url=url, download=download, progress=progress)
+    spec = CIFAR["cifar10"]
+    splits = {}
+    for split, files in (("train", spec.train_files), ("test", spec.test_files)):
+        parts = [_images_and_labels(read_cifar_batch(folder / f), folder / f, "labels") for f in files]
+        splits[split] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    meta = read_cifar_batch(folder / spec.meta_file)
+    if "label_names" not in meta:
+        raise DataFormatError(f"{folder / spec.meta_file}: missing key 'label_names'")
+    return ImageDataset("cifar10", *splits["train"], *splits["test"],
+                        classes=[_str(c) for c in meta["label_names"]],
+                        mean=CIFAR10_MEAN, std=CIFAR10_STD, info={"folder": str(folder)})
+
+
+def load_cifar100(root=None, download: bool = True, url: Optional[str] = None, label: str = "fine",
+                  progress: bool = True) -> ImageDataset:
+    """CIFAR-100: 50,000 train + 10,000 test images (3, 32, 32) uint8.
+
+    label: "fine" (100 classes, the usual benchmark) or "coarse" (20 superclasses).
+    """
+    if label not in ("fine", "coarse"):
+        raise ValueError(f"label must be 'fine' or 'coarse', got {label!r}")
+    folder = ensure_cifar("cifar100", root, url=url, download=download, progress=progress)
+    spec = CIFAR["cifar100"]
+    train = _images_and_labels(read_cifar_batch(folder / "train"), folder / "train", f"{label}_labels")
+    test = _images_and_labels(read_cifar_batch(folder / "test"), folder / "test", f"{label}_labels")
+    meta = read_cifar_batch(folder / spec.meta_file)
+    if f"{label}_label_names" not in meta:
+        raise DataFormatError(f"{folder / spec.meta_file}: missing key '{label}_label_names'")
+    return ImageDataset("cifar100" if label == "fine" else "cifar100-coarse", *train, *test,
+                        classes=[_str(c) for c in meta[f"{label}_label_names"]],
+                        mean=CIFAR100_MEAN, std=CIFAR100_STD, info={"folder": str(folder), "label": label})
