@@ -72,6 +72,15 @@ def test_gradcheck_with_attention_output(xp, rng, b, n, d, heads):
     inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, b, n, d)]
     tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, return_attention=True), inputs)
     tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, return_attention=True)[1], inputs)
+    # one loss of both outputs: backward receives both gradients in a single call
+    g_out = const(xp, rng.standard_normal((b, n, d)))
+    g_attn = const(xp, rng.standard_normal((b, heads, n, n)))
+
+    def both(*t):
+        out, attn = F.multi_head_attention(*t, heads, return_attention=True)
+        return (out * g_out).sum() + (attn * g_attn).sum()
+
+    tv.gradcheck(both, inputs)
 
 
 @pytest.mark.parametrize("b,n,d,heads", [(2, 4, 4, 2), (1, 3, 6, 3)])

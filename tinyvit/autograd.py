@@ -68,8 +68,12 @@ class Function:
                                   be left out. A multi-output op gets None for outputs that
                                   received no gradient.
     ``self.save(a, b, ...)`` keeps exactly what backward needs (``self.saved``); the engine frees
-    it after backward. ``self.needs_input_grad[i]`` says whether argument i wants a gradient, so
-    backward can skip work (e.g. no gradient for input images).
+    it after backward. Saved arrays are references, not copies: changing a parameter in place
+    between forward and backward gives a wrong gradient (there is no version counter).
+    ``self.needs_input_grad[i]`` says whether argument i wants a gradient; it is set *before*
+    forward runs (all False when nothing is recorded), so forward can skip saving what backward
+    will not use and backward can skip work (e.g. no gradient for input images).
+    Only positional arguments are tracked: pass Tensors positionally, options as keywords.
     """
 
     def __init__(self):

@@ -6,6 +6,8 @@ when a GPU is asked for, so the CPU install needs nothing but NumPy.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 _cupy = None                      # the cupy module once imported, False if it is not installed
@@ -133,8 +135,9 @@ def manual_seed(seed: int) -> None:
     """Seed tinyvit's random generator (parameter init, dropout masks) and CuPy's if loaded."""
     global _rng
     _rng = np.random.default_rng(seed)
-    if _cupy:
-        _cupy.random.seed(seed)
+    cp = _cupy or sys.modules.get("cupy")  # seed CuPy too once anything has imported it
+    if cp:
+        cp.random.seed(seed)
 
 
 def rng() -> np.random.Generator:

@@ -85,9 +85,10 @@ def gradcheck(fn, inputs, *, eps: float = 1e-6, atol: float = 1e-6, rtol: float 
             upstream.append(None)
     if all(g is None for g in upstream):
         raise ValueError("gradcheck: no output of fn depends on an input that requires grad")
-    for o, g in zip(outs, upstream):
-        if g is not None:
-            o.backward(g, retain_graph=True)
+    # One scalar from all outputs and one backward, so a multi-output op gets all its output
+    # gradients in the same backward call (as in real use).
+    loss = sum((o * g).sum() for o, g in zip(outs, upstream) if g is not None)
+    loss.backward(retain_graph=True)
     analytic = [to_numpy(t.grad) if t.grad is not None else np.zeros(t.shape) for t in checked_inputs]
 
     worst = (0.0, 0.0, "nowhere")  # (scaled error, relative error, where)

@@ -47,6 +47,13 @@ def md5sum(path) -> str:
     return h.hexdigest()
 
 
+def apply_umask(path) -> None:
+    """Give a file made by ``tempfile`` (mode 0600) the permissions a normal ``open`` would have."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _remove(path) -> None:
     try:
         os.remove(path)
@@ -90,13 +97,14 @@ def fetch(url: str, dest_dir, md5: Optional[str] = None, timeout: float = 60.0,
             raise DownloadError(f"checksum mismatch for {url}: expected MD5 {md5.lower()}, got "
                                 f"{h.hexdigest()} ({received} bytes). The file is corrupt or not the "
                                 "official one; nothing was kept")
+        apply_umask(tmp)
         done = True
         return Path(tmp)
     except urllib.error.HTTPError as exc:
         raise DownloadError(f"could not download {url}: HTTP {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise DownloadError(f"could not download {url}: {reason!r}") from exc
+        raise DownloadError(f"could not download {url}: {reason}") from exc
     finally:
         if not done:
             _remove(tmp)

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from .dataset import FASHION_MNIST_MEAN, FASHION_MNIST_STD, ImageDataset
-from .download import default_data_dir, download_file
+from .download import apply_umask, default_data_dir, download_file
 from .errors import DataFileMissing, DataFormatError, DatasetUnavailable, DownloadError
 
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -210,6 +210,7 @@ def prepare_fashion_mnist(root=None, source=None, download: bool = True, check_m
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(raw)
+                apply_umask(tmp)
                 os.replace(tmp, target / path.name)
             finally:
                 if os.path.exists(tmp):

@@ -15,7 +15,7 @@ import math
 
 from ..autograd import Function
 from ..backend import get_array_module, random_uniform
-from .common import require_float, require_ndim, shape_of
+from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
 class MultiHeadAttention(Function):
@@ -125,12 +125,6 @@ class MultiHeadAttention(Function):
 # ---------------------------------------------------------------- the function users call
 
 
-def _require_same_dtype(op, **named):
-    """Raise TypeError unless every named float array has one dtype (mixing would upcast silently)."""
-    dtypes = {name: x.dtype for name, x in named.items() if x is not None and hasattr(x, "dtype")}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
-        raise TypeError(f"{op}: inputs must share one floating dtype, got {listing}")
 
 
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
@@ -144,7 +138,7 @@ def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropou
     """
     op = "multi_head_attention"
     require_float(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
-    _require_same_dtype(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
+    require_same_dtype(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
     require_ndim(op, "x", x, 3, "tokens (B, N, D)")
     if w_qkv is None or w_proj is None:
         raise ValueError(f"{op}: w_qkv and w_proj are required (only the biases may be None)")

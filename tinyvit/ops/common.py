@@ -33,3 +33,11 @@ def require_ndim(op: str, name: str, x, ndims, meaning: str) -> None:
 
 def is_tensor(x) -> bool:
     return isinstance(x, Tensor)
+
+
+def require_same_dtype(op: str, **named) -> None:
+    """Raise TypeError unless every named array has one dtype (NumPy would upcast float32 silently)."""
+    dtypes = {name: x.dtype for name, x in named.items() if x is not None and hasattr(x, "dtype")}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
+        raise TypeError(f"{op}: inputs must share one floating dtype, got {listing}; convert with .astype() first")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, require_ndim, shape_of
+from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
 def _standardize_rows(x2, eps):
@@ -127,14 +127,6 @@ class WeightStandardize(Function):
 # ---------------------------------------------------------------- the functions users call
 
 
-def _require_same_dtype(op, **named):
-    """Raise TypeError unless every named float array has one dtype (mixing would upcast silently)."""
-    dtypes = {name: x.dtype for name, x in named.items() if x is not None and hasattr(x, "dtype")}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
-        raise TypeError(f"{op}: inputs must share one floating dtype, got {listing}")
-
-
 def _require_vector(op, name, v, n, meaning):
     if v is not None and shape_of(v) != (n,):
         raise ValueError(f"{op}: {name} must have shape ({n},) ({meaning}), got {shape_of(v)}")
@@ -151,7 +143,7 @@ def layer_norm(x, weight, bias, eps=1e-6):
 
     x: (..., D)  weight, bias: (D,) or None  ->  (..., D). eps=1e-6 as in the paper's code (timm's ViT)."""
     require_float("layer_norm", x=x, weight=weight, bias=bias)
-    _require_same_dtype("layer_norm", x=x, weight=weight, bias=bias)
+    require_same_dtype("layer_norm", x=x, weight=weight, bias=bias)
     sx = shape_of(x)
     if not sx:
         raise ValueError("layer_norm: x must have at least one axis (the normalised one), got a scalar")
@@ -165,7 +157,7 @@ def group_norm(x, num_groups, weight, bias, eps=1e-5):
 
     Raises ValueError if C is not divisible by num_groups."""
     require_float("group_norm", x=x, weight=weight, bias=bias)
-    _require_same_dtype("group_norm", x=x, weight=weight, bias=bias)
+    require_same_dtype("group_norm", x=x, weight=weight, bias=bias)
     sx = shape_of(x)
     if len(sx) < 2:
         raise ValueError(f"group_norm: x must be (B, C, ...) such as NCHW (B, C, H, W), got shape {sx}")

@@ -9,7 +9,7 @@ kernel E^T.reshape(D, C, P, P) and stride P, flattened as conv(x).flatten(2).tra
 from __future__ import annotations
 
 from ..autograd import Function
-from .common import require_float, require_ndim, shape_of
+from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
 class PatchEmbed(Function):
@@ -53,12 +53,6 @@ class PatchEmbed(Function):
         return dimages, dw, db
 
 
-def _require_same_dtype(op, **named):
-    """Raise TypeError unless every named float array has one dtype (mixing would upcast silently)."""
-    dtypes = {name: x.dtype for name, x in named.items() if x is not None and hasattr(x, "dtype")}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{name} {dt}" for name, dt in dtypes.items())
-        raise TypeError(f"{op}: inputs must share one floating dtype, got {listing}")
 
 
 def patch_embed(images, w, b, patch_size):
@@ -68,7 +62,7 @@ def patch_embed(images, w, b, patch_size):
     transposed); b: (D,) or None. H and W must be divisible by P."""
     op = "patch_embed"
     require_float(op, images=images, w=w, b=b)
-    _require_same_dtype(op, images=images, w=w, b=b)
+    require_same_dtype(op, images=images, w=w, b=b)
     require_ndim(op, "images", images, 4, "a batch of images (B, C, H, W)")
     if not isinstance(patch_size, int) or isinstance(patch_size, bool) or patch_size < 1:
         raise ValueError(f"{op}: patch_size must be a positive integer, got {patch_size!r}")
