@@ -1,5 +1,6 @@
 """Modules: registration and names, state dicts, modes, dtype/device moves, initialisation, gradient
 checks of the attention and MLP blocks over every parameter, and a tiny network that learns."""
+import copy
 import math
 
 import numpy as np
@@ -135,6 +136,14 @@ def test_containers():
     assert nn.Identity()(x) is x
     text = repr(Tiny())
     assert "(blocks): ModuleList(" in text and "(qkv): Linear(in_features=8, out_features=24, bias=True)" in text
+
+
+def test_deepcopy_gives_an_independent_model():
+    m = Tiny()
+    twin = copy.deepcopy(m)              # e.g. an EMA copy of the weights
+    assert [n for n, _ in twin.named_parameters()] == TINY_NAMES
+    twin.head.weight.data[...] = 1.0
+    assert not np.any(m.head.weight.data == 1.0)
 
 
 def test_apply_and_zero_grad():
@@ -362,6 +371,18 @@ def test_attention_matches_a_hand_written_version():
     np.testing.assert_allclose(attn(tv.Tensor(x)).data, o, rtol=1e-10)
 
 
+def test_mlp_and_linear_match_hand_written_versions():
+    tv.manual_seed(0)
+    with backend.default_dtype(np.float64):
+        mlp = nn.MLP(4, 8, out_dim=3)
+    x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    h = x @ mlp.fc1.weight.data + mlp.fc1.bias.data                      # Linear: y = x W + b
+    h = h * 0.5 * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))      # exact GELU
+    expected = h @ mlp.fc2.weight.data + mlp.fc2.bias.data
+    np.testing.assert_allclose(mlp(tv.Tensor(x)).data, expected, rtol=1e-9, atol=1e-12)
+    assert mlp.fc2.weight.shape == (8, 3) and np.any(mlp.fc1.bias.data != 0)   # biases N(0, 1e-6^2)
+
+
 # ---------------------------------------------------------------------- dropout and drop-path modes
 
 
@@ -379,6 +400,10 @@ def test_dropout_only_while_training():
     t = tv.Tensor(np.random.default_rng(0).standard_normal((2, 8, 32)).astype(np.float32))
     for mod in (mlp, attn):
         assert not np.array_equal(mod(t).data, mod(t).data)     # training: random masks
+        if mod is attn:
+            mod.attn_dropout = 0.0                              # the output dropout alone
+        zeros = (mod(t).data == 0).mean()
+        assert 0.35 < zeros < 0.65, f"{type(mod).__name__}: dropout after the last dense layer zeroed {zeros:.2f}"
         mod.eval()
         np.testing.assert_array_equal(mod(t).data, mod(t).data)
 

@@ -8,9 +8,11 @@ Three layers, from the bottom up:
     save(model, path, arrays=None, metadata=None)    a model + its arch and config (+ optional extras)
     load(path, device=None, dtype=None) -> model     rebuilt from the file alone, in eval mode
     load_checkpoint(path) -> (model, arrays, metadata)   the same plus the extras (training resume)
+    read_state_dict(path) -> {name: array}           only the model's arrays
 
     from_timm_state_dict(sd) / to_timm_state_dict(state)     timm's names are ours, the layouts differ
     from_official_npz(path)                                   google-research/vision_transformer's .npz
+    config_from_timm_state_dict(sd), config_from_official_npz(path)   the ViTConfig the weights imply
     load_pretrained(path_or_state_dict, **config_overrides)   any of the above -> a ready ViT
 
 Nothing here ever unpickles: safetensors files hold raw bytes plus a JSON header, and .npz files are
@@ -63,7 +65,8 @@ def _contiguous(array) -> np.ndarray:
 
 def _host_array(value) -> np.ndarray:
     """A C-contiguous NumPy array from a NumPy/CuPy array or a Tensor (safetensors needs host bytes)."""
-    value = getattr(value, "data", value) if hasattr(value, "requires_grad") else value
+    from .autograd import Tensor
+    value = value.data if isinstance(value, Tensor) else value
     return _contiguous(backend.to_numpy(value))
 
 
@@ -110,9 +113,11 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
                             "(encode other values with json.dumps)")
 
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save {path}: the directory {directory} does not exist")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    open(tmp, "xb").close()                  # claim a fresh name (normal permissions, never clobbers)
     try:
-        open(tmp, "xb").close()              # claim a fresh name (normal permissions, never clobbers)
         _write_safetensors(tmp, host, metadata)
         with open(tmp, "rb+") as f:          # the bytes are on disk before the rename makes them visible
             os.fsync(f.fileno())
@@ -146,6 +151,10 @@ def load_arrays(path) -> tuple[dict, dict]:
             metadata = dict(f.metadata() or {})
             arrays = {name: f.get_tensor(name) for name in f.keys()}
     except st.SafetensorError as exc:
+        kind = _sniff(path)
+        if kind in ("npz", "pickle"):
+            raise ValueError(f"{path} is a {kind} file, not safetensors; official .npz weights load with "
+                             "tinyvit.io.load_pretrained, and pickles are never loaded") from exc
         raise ValueError(f"{path} is not a valid safetensors file: it is truncated or corrupted ({exc})") from exc
     return arrays, metadata
 
@@ -245,13 +254,14 @@ def read_state_dict(path) -> dict:
 
 def _to_numpy(value) -> np.ndarray:
     """A NumPy copy of a torch tensor (without importing torch), a CuPy/NumPy array or a Tensor."""
-    if hasattr(value, "detach"):                   # a torch.Tensor
+    from .autograd import Tensor
+    if isinstance(value, Tensor):
+        value = value.data
+    elif hasattr(value, "detach") and hasattr(value, "cpu"):   # a torch.Tensor
         value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":   # NumPy has no bfloat16
+        if str(value.dtype) == "torch.bfloat16":               # NumPy has no bfloat16
             value = value.float()
         value = value.numpy()
-    elif hasattr(value, "requires_grad"):          # a tinyvit Tensor
-        value = value.data
     return np.array(backend.to_numpy(value), order="C", copy=True)
 
 
@@ -407,7 +417,7 @@ def hwio_to_patch_weight(kernel: np.ndarray) -> np.ndarray:
 
 def heads_to_qkv_weight(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Three (D, H, dh) kernels -> our fused (D, 3D) = [q | k | v], head h at columns h*dh:(h+1)*dh."""
-    return np.concatenate([w.transpose(0, 2, 1).reshape(w.shape[0], -1) for w in (q, k, v)], axis=1)
+    return np.concatenate([w.reshape(w.shape[0], -1) for w in (q, k, v)], axis=1)
 
 
 def heads_to_qkv_bias(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -605,7 +615,7 @@ def _sniff(path: str) -> str:
         if names and all(n.endswith(".npy") for n in names):
             return "npz"
         return "pickle" if any(n.endswith(".pkl") for n in names) else "unknown"
-    if head[:1] == b"\x80":                                    # a bare pickle (protocol 2+)
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):   # a pickle, protocol 2-5
         return "pickle"
     if len(head) == 9 and head[8:9] == b"{":                   # safetensors: u64 header length, then JSON
         return "safetensors"

@@ -316,8 +316,8 @@ def clip_grad_norm(parameters, max_norm: float):
         g <- g * min(1, max_norm / (||g|| + 1e-6))
 
     The new gradients are new arrays (``p.grad = p.grad * c``): a gradient array may be shared.
-    Returns ||g|| before clipping as a 0-d array on the gradients' device (no GPU synchronisation;
-    ``float(norm)`` when you want the number)."""
+    Returns ||g|| before clipping, still on the gradients' device (a 0-d CuPy array on a GPU, a NumPy
+    scalar on the CPU): no GPU synchronisation here; ``float(norm)`` when you want the number."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

@@ -1,5 +1,5 @@
-"""Activations: GELU (the ViT MLP's non-linearity, Eq. 3) and softmax / log-softmax (attention, Eq. 7 of
-appendix A, and the classifier).
+"""Activations: GELU (the non-linearity of the ViT MLP, Eq. 3) and softmax / log-softmax (the attention
+weights, Eq. 6 of appendix A, and the classifier).
 
 GELU needs the error function. NumPy has none and SciPy is not a dependency, so ``erf`` below
 evaluates W. J. Cody's rational Chebyshev approximations (Math. Comp. 23, 1969, 631-638; the
@@ -9,6 +9,7 @@ CuPy it calls cupyx.scipy.special.erf, the same function as a GPU kernel.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -223,9 +224,9 @@ def _check_axis(op, x, axis):
     shape = shape_of(x)
     if not shape:
         raise ValueError(f"{op}: input must have at least one axis, got shape {shape}")
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -len(shape) <= axis < len(shape):
+    if not isinstance(axis, numbers.Integral) or isinstance(axis, bool) or not -len(shape) <= axis < len(shape):
         raise ValueError(f"{op}: axis {axis!r} is not an axis of an input of shape {shape}")
-    axis %= len(shape)
+    axis = int(axis) % len(shape)
     if shape[axis] == 0:
         raise ValueError(f"{op}: axis {axis} of shape {shape} is empty")
     return axis

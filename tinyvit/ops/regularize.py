@@ -1,5 +1,6 @@
-"""Regularizers that act only in training: dropout (ViT uses it after every dense layer but the qkv
-projection, appendix B.1) and stochastic depth, "drop path", on each residual branch.
+"""Regularizers that act only in training: dropout (ViT applies it after every dense layer except the
+qkv projection, and after adding the position embeddings, appendix B.1) and stochastic depth, "drop
+path", on each residual branch (as in the DeiT and AugReg ViT recipes).
 
 Masks come from tinyvit.backend.random_uniform, seeded by tinyvit.manual_seed, so a run repeats
 exactly and under CuPy the mask is drawn on the GPU.

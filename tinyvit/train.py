@@ -1,0 +1,425 @@
+"""Supervised training, the loop behind `tinyvit train` and `tinyvit finetune`.
+
+    data -> augment -> model -> cross-entropy -> backward -> (clip) -> optimizer -> schedule
+
+One run writes into its folder (``out``):
+    metrics.jsonl         one JSON object per epoch (epoch, train_loss, train_acc, test_loss, test_acc, lr, seconds)
+    curves.png            the loss and accuracy curves
+    latest.safetensors    model + optimizer + schedule + data order + RNG: everything ``resume`` needs
+    best.safetensors      the model with the best test accuracy so far
+Checkpoints are written atomically (temp file + rename; tinyvit.io.save_arrays), so a crash or Ctrl-C
+never leaves a torn file. Resuming restores the exact data order and random state, so a run stopped
+after an epoch and resumed ends with the same weights as one that never stopped (on the CPU; on a
+GPU CuPy's generator is re-seeded at each epoch, so runs resumed mid-epoch may differ slightly).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from . import backend
+from . import functional as F
+from . import io, optim
+from .autograd import no_grad
+from .data import Augment, DataLoader, load_dataset
+
+# Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
+# Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
+# then cosine, label smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment-style policy, random erasing
+# 0.25, stochastic depth 0.1), run for 200 epochs since our default model is smaller than theirs.
+CIFAR_RECIPE = dict(model="vit-cifar/4", epochs=200, batch_size=128, lr=1e-3, weight_decay=0.05,
+                    warmup_epochs=10, label_smoothing=0.1, mixup=0.8, cutmix=1.0, randaug="2,9",
+                    erasing=0.25, drop_path=0.1, crop_padding=4, flip=True)
+RECIPES = {
+    "cifar10": CIFAR_RECIPE,
+    "cifar100": CIFAR_RECIPE,
+    # Fashion-MNIST is easy to fit and small: light augmentation, a short schedule (fits a CPU).
+    "fashion-mnist": dict(model="vit-mnist/4", epochs=15, batch_size=128, lr=2e-3, weight_decay=0.05,
+                          warmup_epochs=1, label_smoothing=0.1, crop_padding=2, flip=True),
+    # The synthetic set is for tests and offline demos: no augmentation, a few epochs.
+    "synthetic": dict(model=None, epochs=5, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_epochs=1),
+}
+
+# With no --model, the preset that fits the dataset's images.
+PRESET_BY_SHAPE = {(32, 3): "vit-cifar/4", (28, 1): "vit-mnist/4"}
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run; the CLI flags and the TOML --config file map onto these fields.
+    ``None`` means "the dataset's recipe value" (see RECIPES)."""
+    dataset: str = "cifar10"
+    model: str | None = None
+    model_args: dict = field(default_factory=dict)     # ViTConfig overrides, e.g. {"dim": 64}
+    data_dir: str | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    min_lr: float = 1e-6
+    weight_decay: float | None = None
+    warmup_epochs: float | None = None
+    optimizer: str = "adamw"                           # adamw | adam | sgd
+    momentum: float = 0.9                              # SGD only
+    grad_clip: float | None = None                     # global-norm clipping (the paper: 1.0)
+    label_smoothing: float | None = None
+    mixup: float | None = None
+    cutmix: float | None = None
+    randaug: str | None = None                         # "N,M": N ops of magnitude M; "" or "0" off
+    erasing: float | None = None
+    crop_padding: int | None = None
+    flip: bool | None = None
+    drop_path: float | None = None
+    device: str = "cpu"
+    seed: int = 0
+    out: str | None = None
+    resume: bool = False
+    eval_batch_size: int = 500
+    train_limit: int | None = None                     # use only the first N training images
+    test_limit: int | None = None
+    dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None filled in from the dataset's recipe."""
+        if self.dataset not in RECIPES:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(RECIPES)}")
+        defaults = dict(model=None, epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1,
+                        label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0,
+                        flip=False, drop_path=0.0)
+        defaults.update(RECIPES[self.dataset])
+        cfg = copy.deepcopy(self)
+        for key, value in defaults.items():
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        problems = []
+        if self.optimizer not in ("adamw", "adam", "sgd"):
+            problems.append(f"--optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "warmup_epochs", "mixup", "cutmix", "label_smoothing"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("erasing", "drop_path", "label_smoothing"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.randaug:
+            try:
+                parse_randaug(self.randaug)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid training configuration: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def parse_randaug(spec: str) -> tuple[int, float]:
+    """ "2,9" -> (2, 9.0): N ops per image at magnitude M (of 10). "" or "0" -> (0, 0)."""
+    if spec in ("", "0", None):
+        return 0, 0.0
+    parts = str(spec).split(",")
+    try:
+        n, m = (int(parts[0]), float(parts[1]) if len(parts) > 1 else 9.0)
+    except (ValueError, IndexError):
+        raise ValueError(f"--randaug must look like N,M (e.g. 2,9), got {spec!r}") from None
+    if n < 0 or not 0 <= m <= 10 or len(parts) > 2:
+        raise ValueError(f"--randaug N,M needs N >= 0 and 0 <= M <= 10, got {spec!r}")
+    return n, m
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+# ---------------------------------------------------------------- building the pieces
+
+
+def build_model(cfg: TrainConfig, dataset):
+    """The model named by cfg.model (or the preset for the dataset's image shape), sized for the data."""
+    from .models import create
+    name = cfg.model or PRESET_BY_SHAPE.get((dataset.image_size, dataset.channels))
+    if name is None:
+        raise ValueError(f"no preset fits {dataset.channels}-channel {dataset.image_size}x{dataset.image_size} "
+                         f"images; pass --model (see `tinyvit models`) and --model-arg image_size=...")
+    overrides = dict(image_size=dataset.image_size, in_channels=dataset.channels,
+                     num_classes=dataset.num_classes, drop_path=cfg.drop_path)
+    overrides.update(cfg.model_args)
+    return create(name, **overrides)
+
+
+def make_optimizer(cfg: TrainConfig, model):
+    """AdamW/Adam/SGD with no weight decay on biases, norms, class token and position embeddings."""
+    groups = optim.param_groups_weight_decay(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    cls = optim.AdamW if cfg.optimizer == "adamw" else optim.Adam
+    return cls(groups, lr=cfg.lr)
+
+
+def make_transforms(cfg: TrainConfig, dataset):
+    n, m = parse_randaug(cfg.randaug)
+    train_tf = Augment(dataset.mean, dataset.std, dataset.num_classes, crop_padding=cfg.crop_padding,
+                       flip=cfg.flip, randaug_n=n, randaug_m=m, mixup_alpha=cfg.mixup,
+                       cutmix_alpha=cfg.cutmix, erasing_p=cfg.erasing, seed=cfg.seed + 1)
+    return train_tf, Augment(dataset.mean, dataset.std)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _flatten_optimizer(opt) -> tuple[dict, dict]:
+    """Optimizer state -> (arrays for the file, JSON-able rest)."""
+    sd = opt.state_dict()
+    arrays, scalars = {}, {}
+    for idx, entry in sd["state"].items():
+        for key, value in entry.items():
+            if hasattr(value, "shape") and getattr(value, "ndim", 0) > 0:
+                arrays[f"optimizer.{idx}.{key}"] = value
+            else:
+                scalars.setdefault(str(idx), {})[key] = value.item() if hasattr(value, "item") else value
+    return arrays, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(arrays: dict, rest: dict) -> dict:
+    state = {int(i): dict(v) for i, v in rest["scalars"].items()}
+    for name, value in arrays.items():
+        if name.startswith("optimizer."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def dataset_metadata(dataset) -> dict:
+    """What predict/eval need to treat new images as the model was trained: classes and normalisation."""
+    return {"dataset": json.dumps({"name": dataset.name, "classes": list(dataset.classes),
+                                   "mean": list(dataset.mean), "std": list(dataset.std)})}
+
+
+def save_training_checkpoint(path, model, opt, sched, loader, cfg, progress: dict, dataset) -> None:
+    """Everything a resume needs, in one atomic safetensors file (also loadable by tinyvit.load)."""
+    arrays, opt_rest = _flatten_optimizer(opt)
+    state = {"optimizer": opt_rest, "scheduler": sched.state_dict(), "loader": loader.state_dict(),
+             "rng": backend.rng().bit_generator.state, "config": asdict(cfg), "progress": progress}
+    io.save(model, path, arrays=arrays,
+            metadata={"training": json.dumps(state, default=_json_default), **dataset_metadata(dataset)})
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's metadata")
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _plot(history, path) -> None:
+    """loss and accuracy curves -> PNG (skipped, with a note, when matplotlib is missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    epochs = [h["epoch"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(epochs, [h["train_loss"] for h in history], label="train")
+    ax1.plot(epochs, [h["test_loss"] for h in history], label="test")
+    ax1.set(xlabel="epoch", ylabel="loss", title="cross-entropy")
+    ax2.plot(epochs, [100 * h["train_acc"] for h in history], label="train")
+    ax2.plot(epochs, [100 * h["test_acc"] for h in history], label="test")
+    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def evaluate(model, loader) -> dict:
+    """Mean loss, accuracy and the predictions over a loader (eval mode, no graph)."""
+    model.eval()
+    total_loss, correct, seen, preds, labels = 0.0, 0, 0, [], []
+    with no_grad():
+        for x, y in loader:
+            logits = model(x)
+            total_loss += float(F.cross_entropy(logits, y).item()) * len(y)
+            pred = logits.data.argmax(axis=-1)
+            correct += int((pred == y).sum())
+            seen += len(y)
+            preds.append(backend.to_numpy(pred))
+            labels.append(backend.to_numpy(y))
+    return {"loss": total_loss / max(seen, 1), "acc": correct / max(seen, 1),
+            "preds": np.concatenate(preds) if preds else np.zeros(0, int),
+            "labels": np.concatenate(labels) if labels else np.zeros(0, int)}
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out).expanduser()
+    name = (cfg.model or "preset").replace("/", "-")
+    return Path("runs") / f"{cfg.dataset}-{name}"
+
+
+def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch: int | None = None,
+          log=print) -> dict:
+    """Train (or, given ``model``, fine-tune) as ``cfg`` says. Returns the final metrics row plus the
+    run folder. ``stop_after_epoch`` ends the run early after that epoch, as an interruption would
+    (tests use it to check that resuming gives the same weights)."""
+    cfg = cfg.resolved()
+    out = run_dir(cfg)
+    latest, best_path = out / "latest.safetensors", out / "best.safetensors"
+    if latest.exists() and not cfg.resume:
+        raise FileExistsError(f"{out} already holds a run ({latest.name}); pass --resume to continue it, "
+                              "or --out DIR for a new run")
+    if cfg.resume and not latest.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {latest} to resume from")
+
+    dataset = load_dataset(cfg.dataset, root=cfg.data_dir, **cfg.dataset_args)
+    if cfg.train_limit or cfg.test_limit:
+        dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
+    backend.manual_seed(cfg.seed)
+    if model is None:
+        model = build_model(cfg, dataset)
+    model.to(device=cfg.device)
+    opt = make_optimizer(cfg, model)
+    train_tf, eval_tf = make_transforms(cfg, dataset)
+    loader = DataLoader(dataset.train_images, dataset.train_labels, cfg.batch_size, shuffle=True,
+                        seed=cfg.seed, drop_last=len(dataset.train_images) >= cfg.batch_size,
+                        device=cfg.device, transform=train_tf)
+    test_loader = DataLoader(dataset.test_images, dataset.test_labels, cfg.eval_batch_size,
+                             device=cfg.device, transform=eval_tf)
+    steps_per_epoch = len(loader)
+    total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
+    sched = optim.LRScheduler(opt, lambda s: optim.warmup_cosine(s, total_steps, warmup_steps, cfg.lr, cfg.min_lr))
+
+    history, state = [], {"epoch": 0, "best_acc": -1.0, "partial": None}
+    if cfg.resume:
+        model_ckpt, extra, meta = io.load_checkpoint(latest)
+        model.load_state_dict(model_ckpt.state_dict())
+        saved = json.loads(meta["training"])
+        opt.load_state_dict(_unflatten_optimizer(extra, saved["optimizer"]))
+        sched.load_state_dict(saved["scheduler"])
+        loader.load_state_dict(saved["loader"])
+        backend.rng().bit_generator.state = saved["rng"]
+        state = saved["progress"]
+        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
+        f"({len(dataset.train_images)} train / {len(dataset.test_images)} test images), "
+        f"{cfg.epochs} epochs x {steps_per_epoch} steps on {cfg.device}; writing to {out}")
+
+    def checkpoint():
+        save_training_checkpoint(latest, model, opt, sched, loader, cfg, state, dataset)
+
+    try:
+        while state["epoch"] < cfg.epochs:
+            epoch = state["epoch"] + 1
+            if loader.position == 0:
+                backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
+            row = _train_one_epoch(model, opt, sched, loader, cfg, epoch, state, progress, latest)
+            test = evaluate(model, test_loader)
+            row.update(test_loss=test["loss"], test_acc=test["acc"])
+            history.append(row)
+            state.update(epoch=epoch, partial=None)
+            if test["acc"] > state["best_acc"]:
+                state["best_acc"] = test["acc"]
+                io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
+            checkpoint()
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            _plot(history, out / "curves.png")
+            log(f"epoch {epoch}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
+                f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
+                f"{row['seconds']:.1f}s")
+            if stop_after_epoch is not None and epoch >= stop_after_epoch:
+                break
+    except KeyboardInterrupt:
+        checkpoint()
+        log(f"\ninterrupted: saved {latest}; continue with the same command plus --resume")
+        raise
+    return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
+
+
+def _train_one_epoch(model, opt, sched, loader, cfg, epoch, state, progress, latest) -> dict:
+    """One pass over the training data (continuing a partial epoch after a resume). The running sums
+    stay on the device, read back once every ``check_every`` steps (no host sync per step)."""
+    model.train()
+    done = state.get("partial") or {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
+    loss_sum, correct_sum, seen = 0.0, 0.0, 0
+    start, check_every = time.perf_counter(), 20
+    bar = _progress_bar(len(loader), loader.position, f"epoch {epoch}/{cfg.epochs}", progress)
+
+    def totals():
+        return {"loss": done["loss"] + float(loss_sum), "correct": done["correct"] + float(correct_sum),
+                "seen": done["seen"] + seen, "seconds": done["seconds"] + time.perf_counter() - start}
+
+    try:
+        for step_in_epoch, (x, y) in enumerate(loader, start=loader.position + 1):
+            logits = model(x)                                                       # forward
+            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            model.zero_grad()
+            loss.backward()                                                         # backward
+            if cfg.grad_clip:
+                optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
+            opt.step()                                                              # update
+            sched.step()
+            hard = y if y.ndim == 1 else y.argmax(axis=-1)                          # mixup: argmax target
+            loss_sum = loss_sum + loss.data * len(y)
+            correct_sum = correct_sum + (logits.data.argmax(axis=-1) == hard).sum()
+            seen += len(y)
+            if step_in_epoch % check_every == 0 or step_in_epoch == len(loader):
+                t = totals()
+                mean_loss = t["loss"] / t["seen"]
+                if not math.isfinite(mean_loss):
+                    raise TrainingDiverged(
+                        f"the loss became {mean_loss} at epoch {epoch}, step {step_in_epoch}; stopping. The last "
+                        f"good checkpoint is kept at {latest} (try a lower --lr, or --grad-clip 1.0)")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{100 * t['correct'] / t['seen']:.1f}%",
+                                    img_s=f"{seen / max(time.perf_counter() - start, 1e-9):.0f}")
+            if bar is not None:
+                bar.update(1)
+    except KeyboardInterrupt:
+        state["partial"] = totals()     # the interrupted epoch's sums go into the checkpoint
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    t = totals()
+    return {"epoch": epoch, "train_loss": t["loss"] / max(t["seen"], 1), "train_acc": t["correct"] / max(t["seen"], 1),
+            "lr": float(sched.last_lr), "seconds": t["seconds"]}
+
+
+def _progress_bar(total, initial, desc, enabled):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True)
