@@ -100,6 +100,7 @@ class Function:
         fn.needs_input_grad = needs if record else (False,) * len(args)
         out = fn.forward(*raw, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
+        outs = tuple(o if _is_array(o) else np.asarray(o) for o in outs)  # a full reduction gives a scalar
         results = tuple(Tensor._wrap(o, record) for o in outs)
         if record:
             fn.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
@@ -280,8 +281,11 @@ class Tensor:
             grads_in = fn.backward(*grad_outputs)
             if not isinstance(grads_in, tuple):
                 grads_in = (grads_in,)
+            if any(fn.needs_input_grad[len(grads_in):]):
+                raise RuntimeError(f"{type(fn).__name__}.backward returned {len(grads_in)} gradients but "
+                                   f"input {len(grads_in)} needs one")
             for t, g, needed in zip(fn.inputs, grads_in, fn.needs_input_grad):
-                if not needed or g is None:
+                if not needed or g is None:   # None: this input's gradient is zero on this path
                     continue
                 g = _sum_to_shape(g, t.shape)
                 if g.dtype != t.dtype:

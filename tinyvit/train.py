@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from . import functional as F
 from . import io, optim
 from .autograd import no_grad
 from .data import Augment, DataLoader, load_dataset
+from .inference import check_fits
 
 # Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
 # Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
@@ -303,6 +304,12 @@ def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch:
     backend.manual_seed(cfg.seed)
     if model is None:
         model = build_model(cfg, dataset)
+    if model.config.image_size != dataset.image_size:        # fine-tuning at another resolution
+        size = model.config.image_size
+        log(f"resizing {dataset.name} images from {dataset.image_size} to {size} px")
+        dataset = replace(dataset, train_images=resize_images(dataset.train_images, size),
+                          test_images=resize_images(dataset.test_images, size))
+    check_fits(model, dataset)
     model.to(device=cfg.device)
     opt = make_optimizer(cfg, model)
     train_tf, eval_tf = make_transforms(cfg, dataset)
@@ -423,3 +430,44 @@ def _progress_bar(total, initial, desc, enabled):
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------- fine-tuning (appendix B.1.1)
+
+# The paper's fine-tuning recipe: SGD with momentum 0.9, no weight decay, gradient clipping at global
+# norm 1, a short warmup then cosine decay; the learning rate from {0.001, 0.003, 0.01, 0.03}.
+FINETUNE_DEFAULTS = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_clip=1.0, lr=0.01,
+                         warmup_epochs=1, epochs=10, label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="",
+                         erasing=0.0, drop_path=0.0)
+
+
+def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
+                     resize_method: str = "bilinear"):
+    """A model initialised from ``checkpoint`` for fine-tuning: the whole head (pre-logits included)
+    replaced by a zero-initialised linear layer for ``num_classes``, and, for a new ``image_size``,
+    the position embeddings 2D-interpolated to the new patch grid (section 3.2)."""
+    old_model, _, _ = io.load_checkpoint(checkpoint)
+    old = old_model.config
+    new = replace(old, num_classes=num_classes, representation_size=None, image_size=image_size or old.image_size)
+    state = {k: v for k, v in old_model.state_dict().items() if not k.startswith(("head.", "pre_logits."))}
+    state, _ = io.adapt_state_dict(state, replace(old, num_classes=num_classes, representation_size=None), new,
+                                   resize_method)
+    model = type(old_model)(new)                       # its head is zero-initialised
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    leftover = [k for k in list(missing) + list(unexpected) if not k.startswith("head.")]
+    if leftover:
+        raise ValueError(f"{checkpoint}: cannot fine-tune from it, these tensors do not fit: {leftover}")
+    return model.to(dtype=next(iter(old_model.parameters())).dtype)
+
+
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
+    """uint8 (N, C, H, W) -> (N, C, size, size), bicubic with Pillow (once, before training at a
+    new resolution)."""
+    from PIL import Image
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    out = np.empty(images.shape[:2] + (size, size), dtype=np.uint8)
+    for i, img in enumerate(images):                    # data preparation, once per run
+        for c, plane in enumerate(img):
+            out[i, c] = np.asarray(Image.fromarray(plane).resize((size, size), Image.BICUBIC))
+    return out

@@ -73,7 +73,12 @@ class DataLoader:
         n = len(self.images)
         return self.rng.permutation(n) if self.shuffle else np.arange(n)
 
+    def _next_epoch(self) -> None:
+        self.epoch, self.position, self._order_state = self.epoch + 1, 0, None
+
     def __iter__(self):
+        if self.position >= len(self):           # the last epoch was consumed batch by batch with next()
+            self._next_epoch()
         order = self._epoch_order()
         xp = get_array_module(self.images)         # the arrays may already live on the GPU
         for b in range(self.position, len(self)):
@@ -86,7 +91,7 @@ class DataLoader:
                 yield self.transform(x, y)
             else:
                 yield to_float(x, self.dtype), y
-        self.epoch, self.position, self._order_state = self.epoch + 1, 0, None
+        self._next_epoch()
 
     def state_dict(self) -> dict:
         """Everything needed to continue exactly here: epoch, position, generator states (JSON-able)."""

@@ -8,8 +8,9 @@ import numpy as np
 def sincos_2d(grid_h: int, grid_w: int, dim: int, temperature: float = 10000.0) -> np.ndarray:
     """Fixed 2D sin-cos embeddings (gh*gw, dim), rows in row-major grid order.
 
-    A quarter of the channels each for sin(y w), cos(y w), sin(x w), cos(x w) with frequencies
-    w_k = 1 / temperature^(k / (dim/4)), as big_vision's posemb_sincos_2d (MoCo v3)."""
+    A quarter of the channels each for sin(x w), cos(x w), sin(y w), cos(y w) (x: column, y: row),
+    with frequencies w_k = 1 / temperature^(k / (dim/4)), k = 0..dim/4-1, as MoCo v3 (Chen et al.
+    2021). big_vision's posemb_sincos_2d divides the exponent by dim/4 - 1 instead: close, not equal."""
     if dim % 4:
         raise ValueError(f"sincos_2d needs dim divisible by 4, got {dim}")
     y, x = np.meshgrid(np.arange(grid_h, dtype=np.float64), np.arange(grid_w, dtype=np.float64), indexing="ij")
