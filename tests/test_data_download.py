@@ -14,8 +14,9 @@ import threading
 import numpy as np
 import pytest
 
-from tinyvit.data import (DatasetUnavailable, DownloadError, default_data_dir, download, download_file,
-                          ensure_cifar, extract_tar, load_cifar10, load_fashion_mnist, write_idx)
+from tinyvit.data import (DatasetUnavailable, DownloadError, default_data_dir, download_file, ensure_cifar,
+                          extract_tar, load_cifar10, load_fashion_mnist, write_idx)
+from tinyvit.data.download import download
 from tinyvit.data import cifar as cifar_module
 from tinyvit.data import fashion_mnist as fm_module
 

@@ -128,6 +128,14 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+        for f in fields(cls):
+            value = d.get(f.name)
+            base = str(f.type).split("|")[0].strip()
+            if value is None or base not in kinds:
+                continue
+            if not isinstance(value, kinds[base]) or (base != "bool" and isinstance(value, bool)):
+                raise ValueError(f"setting {f.name} must be {base}, got {value!r}")
         return cls(**d)
 
 

@@ -14,7 +14,9 @@ from .augment import (Augment, cutmix, horizontal_flip, mixup, normalize, one_ho
                       random_erasing)
 from .cifar import SafeUnpickler, ensure_cifar, load_cifar10, load_cifar100, read_cifar_batch
 from .dataset import ImageDataset
-from .download import default_data_dir, download, download_file, extract_tar, md5sum
+# download.py's download(url, dest_dir, md5, folder) is not re-exported, so that tinyvit.data.download
+# stays the module: `from tinyvit.data.download import download`.
+from .download import default_data_dir, download_file, extract_tar, md5sum
 from .errors import (DataError, DataFileMissing, DataFormatError, DatasetUnavailable, DownloadError,
                      UnsafePickleError)
 from .fashion_mnist import (ensure_fashion_mnist, load_fashion_mnist, prepare_fashion_mnist, read_idx,
@@ -50,7 +52,7 @@ __all__ = [
     "load_cifar10", "load_cifar100", "ensure_cifar", "read_cifar_batch", "SafeUnpickler",
     "load_fashion_mnist", "ensure_fashion_mnist", "prepare_fashion_mnist", "read_idx", "write_idx",
     "make_synthetic",
-    "default_data_dir", "download", "download_file", "extract_tar", "md5sum",
+    "default_data_dir", "download_file", "extract_tar", "md5sum",
     "DataLoader", "to_float",
     "Augment", "RandAugment", "normalize", "random_crop", "horizontal_flip", "random_erasing",
     "mixup", "cutmix", "one_hot",

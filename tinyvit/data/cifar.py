@@ -167,7 +167,8 @@ def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool
     """Return the extracted CIFAR folder (e.g. ``root/cifar-10-batches-py``), fetching it if needed.
 
     Looks, in order, for: a complete ``root/<folder>``; ``root`` itself being that folder; the
-    archive ``root/<name>-python.tar.gz`` (checked against the official MD5, then extracted);
+    archive (``root/cifar-10-python.tar.gz`` or ``root/cifar-100-python.tar.gz``, checked against
+    the official MD5, then extracted);
     finally, when ``download`` is true, downloads ``url`` (default: the official URL; a mirror must
     serve the identical file) into ``root``. ``root`` defaults to :func:`default_data_dir`.
     Raises DatasetUnavailable with step-by-step instructions when none of that works.
@@ -190,9 +191,7 @@ def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool
         if not download:
             raise DatasetUnavailable(_instructions(spec, root, url, "downloading is turned off"))
         return download_archive(url, root, spec.md5, spec.folder, valid, progress=progress)
-    except (DownloadError, OSError) as exc:
-        if isinstance(exc, DatasetUnavailable):
-            raise
+    except (DownloadError, OSError) as exc:       # no network, HTTP error, bad checksum, read-only root
         raise DatasetUnavailable(_instructions(spec, root, url, f"could not be fetched: {exc}")) from exc
 
 

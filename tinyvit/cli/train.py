@@ -1,8 +1,4 @@
-"""The `tinyvit` command. The only place that parses command-line arguments.
-
-Each subcommand is a small function taking the parsed arguments; the work is done by the library
-(tinyvit.models, tinyvit.train, ...), so everything here is also reachable from Python.
-"""
+"""`tinyvit train`, `finetune`, `eval` and `predict`: supervised training and using its checkpoints."""
 from __future__ import annotations
 
 import argparse
@@ -10,65 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import __version__
-
-
-class UsageError(Exception):
-    """A bad flag value or config file: printed as one line, exit status 2."""
-
-
-def _parse_value(text: str):
-    """'64' -> 64, '0.1' -> 0.1, 'true' -> True, 'none' -> None, anything else stays a string."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _model_args(pairs) -> dict:
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise UsageError(f"--model-arg needs KEY=VALUE (e.g. dim=64), got {pair!r}")
-        key, value = pair.split("=", 1)
-        out[key.strip().replace("-", "_")] = _parse_value(value.strip())
-    return out
-
-
-def _read_toml(path) -> dict:
-    """A TOML run description: top-level keys are `tinyvit train` flags (dashes or underscores),
-    an optional [model] table holds ViTConfig overrides and [dataset] the dataset's options."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise UsageError("--config needs Python >= 3.11 or `pip install tomli`") from None
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--config: no file at {path}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
-    out = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
-    if "model" in data and isinstance(data["model"], dict):
-        out["model_args"] = dict(data["model"])
-    if "dataset" in data and isinstance(data["dataset"], dict):
-        out["dataset_args"] = dict(data["dataset"])
-    unknown = [k for k, v in data.items() if isinstance(v, dict) and k not in ("model", "dataset")]
-    if unknown:
-        raise UsageError(f"--config {path}: unknown tables {unknown} (known: [model], [dataset])")
-    return out
-
+from . import UsageError, model_args, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -79,16 +17,16 @@ TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "mi
 
 def _train_config(args, defaults=None):
     """TrainConfig from: its defaults <- `defaults` (finetune's recipe) <- the TOML file <- flags."""
-    from .train import TrainConfig
+    from ..train import TrainConfig
     settings = dict(defaults or {})
     if getattr(args, "config", None):
-        settings.update(_read_toml(args.config))
+        settings.update(read_toml(args.config))
     for name in TRAIN_FLAGS:
         value = getattr(args, name, None)
         if value is not None:
             settings[name] = value
     if getattr(args, "model_arg", None):
-        settings["model_args"] = {**settings.get("model_args", {}), **_model_args(args.model_arg)}
+        settings["model_args"] = {**settings.get("model_args", {}), **model_args(args.model_arg)}
     try:
         return TrainConfig.from_dict(settings)
     except (TypeError, ValueError) as exc:
@@ -96,7 +34,7 @@ def _train_config(args, defaults=None):
 
 
 def _run_training(cfg, model=None) -> int:
-    from .train import TrainingDiverged, train
+    from ..train import TrainingDiverged, train
     try:
         result = train(cfg, model=model)
     except KeyboardInterrupt:
@@ -121,8 +59,8 @@ def cmd_train(args) -> int:
 
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
-    from .data import load_dataset
-    from .train import FINETUNE_DEFAULTS, prepare_finetune
+    from ..data import load_dataset
+    from ..train import FINETUNE_DEFAULTS, prepare_finetune
     cfg = _train_config(args, defaults=FINETUNE_DEFAULTS)
     if cfg.resume:
         model = None  # the checkpoint in --out has everything
@@ -136,9 +74,9 @@ def cmd_finetune(args) -> int:
 
 def cmd_eval(args) -> int:
     """Accuracy, per-class accuracy and confusion matrix of a checkpoint on a dataset's test split."""
-    from .data import Augment, DataLoader, load_dataset
-    from .inference import check_fits, confusion_matrix, format_report, load_for_inference
-    from .train import evaluate
+    from ..data import Augment, DataLoader, load_dataset
+    from ..inference import check_fits, confusion_matrix, format_report, load_for_inference
+    from ..train import evaluate
     model, info = load_for_inference(args.checkpoint, device=args.device)
     ds = load_dataset(args.dataset, root=args.data_dir)
     if args.limit:
@@ -158,7 +96,7 @@ def cmd_eval(args) -> int:
 
 def cmd_predict(args) -> int:
     """Top-5 classes with probabilities for image files."""
-    from .inference import load_for_inference, predict_files
+    from ..inference import load_for_inference, predict_files
     model, info = load_for_inference(args.checkpoint, device=args.device)
     for path, top in zip(args.images, predict_files(model, info, args.images, args.topk, args.device)):
         print(path)
@@ -167,32 +105,8 @@ def cmd_predict(args) -> int:
     return 0
 
 
-def cmd_models(args) -> int:
-    """List the named variants with parameter counts and training FLOPs per image."""
-    from .models import config_for, count_parameters, known_names, training_flops
-    print(f"{'name':<14}{'image':>6}{'patch':>6}{'tokens':>7}{'dim':>6}{'depth':>6}{'heads':>6}"
-          f"{'mlp':>6}{'params':>10}{'train GFLOPs/img':>18}")
-    for name in known_names():
-        cfg = config_for(name, **({"num_classes": args.num_classes} if args.num_classes else {}))
-        print(f"{name:<14}{cfg.image_size:>6}{cfg.patch_size:>6}{cfg.num_patches:>7}{cfg.dim:>6}{cfg.depth:>6}"
-              f"{cfg.num_heads:>6}{cfg.mlp_dim:>6}{count_parameters(cfg) / 1e6:>9.2f}M"
-              f"{training_flops(cfg) / 1e9:>18.3f}")
-    print("\nAny patch size works after the slash (vit-l/32, vit-cifar/2). Counts: 1000 classes at 224 px "
-          "for the paper's models, 10 classes for the small presets; --num-classes changes that.")
-    return 0
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tinyvit",
-        description="The Vision Transformer (Dosovitskiy et al., 2020) from scratch on NumPy/CuPy.")
-    parser.add_argument("--version", action="version", version=f"tinyvit {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser("models", help="list the named model variants with parameters and FLOPs")
-    p.add_argument("--num-classes", type=int, default=None, help="head size used for the counts")
-    p.set_defaults(func=cmd_models)
-
+def register(sub) -> None:
     p = sub.add_parser("train", help="train a ViT from scratch (default: CIFAR-10, the small patch-4 preset)",
                        description="Train a ViT. Unset flags come from --config, then from the dataset's recipe "
                                    "(tinyvit/train.py RECIPES).")
@@ -224,7 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_predict)
-    return parser
 
 
 def _add_train_flags(p) -> None:
@@ -261,21 +174,3 @@ def _add_train_flags(p) -> None:
     a("--test-limit", type=int, help="evaluate on the first N test images")
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    from .data import DataError
-    try:
-        return args.func(args)
-    except UsageError as exc:
-        parser.exit(2, f"tinyvit {args.command}: error: {exc}\n")
-    except (DataError, FileNotFoundError, FileExistsError, ValueError) as exc:
-        print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The `tinyvit` command: the only place that parses command-line arguments.
+
+One module per group of subcommands (models, train, ...); each has ``register(sub)`` that adds its
+parsers, and small ``cmd_*`` functions that call the library, so everything is reachable from Python.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import __version__
+
+class UsageError(Exception):
+    """A bad flag value or config file: printed as one line, exit status 2."""
+
+
+def parse_value(text: str):
+    """'64' -> 64, '0.1' -> 0.1, 'true' -> True, 'none' -> None, anything else stays a string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def model_args(pairs) -> dict:
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UsageError(f"--model-arg needs KEY=VALUE (e.g. dim=64), got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.strip().replace("-", "_")] = parse_value(value.strip())
+    return out
+
+
+def read_toml(path) -> dict:
+    """A TOML run description: top-level keys are `tinyvit train` flags (dashes or underscores),
+    an optional [model] table holds ViTConfig overrides and [dataset] the dataset's options."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise UsageError("--config needs Python >= 3.11 or `pip install tomli`") from None
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--config: no file at {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
+    out = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
+    if "model" in data and isinstance(data["model"], dict):
+        out["model_args"] = dict(data["model"])
+    if "dataset" in data and isinstance(data["dataset"], dict):
+        out["dataset_args"] = dict(data["dataset"])
+    unknown = [k for k, v in data.items() if isinstance(v, dict) and k not in ("model", "dataset")]
+    if unknown:
+        raise UsageError(f"--config {path}: unknown tables {unknown} (known: [model], [dataset])")
+    return out
+
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tinyvit",
+        description="The Vision Transformer (Dosovitskiy et al., 2020) from scratch on NumPy/CuPy.")
+    parser.add_argument("--version", action="version", version=f"tinyvit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from . import models, train
+    for group in (models, train):
+        group.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from ..data import DataError
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        parser.exit(2, f"tinyvit {args.command}: error: {exc}\n")
+    except (DataError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
