@@ -157,6 +157,34 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+class Classification:
+    """The objective of supervised training: cross-entropy on (possibly soft, mixed) targets.
+
+    Another objective (masked patch prediction, tinyvit/models/masked.py) provides the same three
+    methods and reuses the whole loop, checkpoints and resume of ``train``."""
+    name = "classification"
+
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = label_smoothing
+
+    def build_model(self, cfg, dataset):
+        return build_model(cfg, dataset)
+
+    def check(self, model, dataset) -> None:
+        check_fits(model, dataset)
+
+    def step(self, model, x, y):
+        """-> (loss Tensor, number of correct predictions as a device scalar). Mixed targets count
+        as their larger part."""
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        hard = y if y.ndim == 1 else y.argmax(axis=-1)
+        return loss, (logits.data.argmax(axis=-1) == hard).sum()
+
+    def evaluate(self, model, loader) -> dict:
+        return evaluate(model, loader)
+
+
 # ---------------------------------------------------------------- building the pieces
 
 
@@ -292,12 +320,14 @@ def run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{cfg.dataset}-{name}"
 
 
-def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch: int | None = None,
-          log=print) -> dict:
-    """Train (or, given ``model``, fine-tune) as ``cfg`` says. Returns the final metrics row plus the
-    run folder. ``stop_after_epoch`` ends the run early after that epoch, as an interruption would
-    (tests use it to check that resuming gives the same weights)."""
+def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
+          stop_after_epoch: int | None = None, log=print) -> dict:
+    """Train (or, given ``model``, fine-tune) as ``cfg`` says, minimising ``objective``
+    (default: classification). Returns the final metrics row plus the run folder.
+    ``stop_after_epoch`` ends the run early after that epoch, as an interruption would (tests use it
+    to check that resuming gives the same weights)."""
     cfg = cfg.resolved()
+    objective = objective or Classification(cfg.label_smoothing)
     out = run_dir(cfg)
     latest, best_path = out / "latest.safetensors", out / "best.safetensors"
     if latest.exists() and not cfg.resume:
@@ -311,13 +341,13 @@ def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch:
         dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
     backend.manual_seed(cfg.seed)
     if model is None:
-        model = build_model(cfg, dataset)
+        model = objective.build_model(cfg, dataset)
     if model.config.image_size != dataset.image_size:        # fine-tuning at another resolution
         size = model.config.image_size
         log(f"resizing {dataset.name} images from {dataset.image_size} to {size} px")
         dataset = replace(dataset, train_images=resize_images(dataset.train_images, size),
                           test_images=resize_images(dataset.test_images, size))
-    check_fits(model, dataset)
+    objective.check(model, dataset)
     model.to(device=cfg.device)
     opt = make_optimizer(cfg, model)
     train_tf, eval_tf = make_transforms(cfg, dataset)
@@ -356,8 +386,8 @@ def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch:
             epoch = state["epoch"] + 1
             if loader.position == 0:
                 backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
-            row = _train_one_epoch(model, opt, sched, loader, cfg, epoch, state, progress, latest)
-            test = evaluate(model, test_loader)
+            row = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest)
+            test = objective.evaluate(model, test_loader)
             row.update(test_loss=test["loss"], test_acc=test["acc"])
             history.append(row)
             state.update(epoch=epoch, partial=None)
@@ -380,7 +410,7 @@ def train(cfg: TrainConfig, model=None, progress: bool = True, stop_after_epoch:
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
 
-def _train_one_epoch(model, opt, sched, loader, cfg, epoch, state, progress, latest) -> dict:
+def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest) -> dict:
     """One pass over the training data (continuing a partial epoch after a resume). The running sums
     stay on the device, read back once every ``check_every`` steps (no host sync per step)."""
     model.train()
@@ -395,17 +425,15 @@ def _train_one_epoch(model, opt, sched, loader, cfg, epoch, state, progress, lat
 
     try:
         for step_in_epoch, (x, y) in enumerate(loader, start=loader.position + 1):
-            logits = model(x)                                                       # forward
-            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            loss, correct = objective.step(model, x, y)                             # forward
             model.zero_grad()
             loss.backward()                                                         # backward
             if cfg.grad_clip:
                 optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
             opt.step()                                                              # update
             sched.step()
-            hard = y if y.ndim == 1 else y.argmax(axis=-1)                          # mixup: argmax target
             loss_sum = loss_sum + loss.data * len(y)
-            correct_sum = correct_sum + (logits.data.argmax(axis=-1) == hard).sum()
+            correct_sum = correct_sum + correct
             seen += len(y)
             if step_in_epoch % check_every == 0 or step_in_epoch == len(loader):
                 t = totals()

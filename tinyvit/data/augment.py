@@ -218,4 +218,5 @@ class Augment:
               f"erasing(p={self.erasing_p})" if self.erasing_p else "",
               f"mixup(alpha={self.mixup_alpha})" if self.mixup_alpha else "",
               f"cutmix(alpha={self.cutmix_alpha})" if self.cutmix_alpha else ""]
-        return f"Augment(normalize(mean={self.mean}, std={self.std}), {', '.join(o for o in on if o) or 'no random ops'})"
+        ops = ", ".join(o for o in on if o) or "no random ops"
+        return f"Augment(normalize(mean={self.mean}, std={self.std}), {ops})"

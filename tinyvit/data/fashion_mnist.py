@@ -185,31 +185,34 @@ def prepare_fashion_mnist(root=None, source=None, download: bool = True, check_m
 
     With ``source`` (a folder such as /usr/share/datasets/fashion-mnist), each file there is read and
     validated as IDX, compared (when ``check_md5``) with the MD5 of the official decompressed content,
-    and copied atomically. Without it the files are downloaded. Finally both splits are loaded once.
+    and, once all four passed, copied atomically. Without it the files are downloaded. Finally both
+    splits are loaded once.
     """
     target = (Path(root).expanduser() if root is not None else default_data_dir()) / FOLDER
     if source is None:
         folder = ensure_fashion_mnist(target.parent, download=download, progress=progress)
     else:
         source, folder = Path(source).expanduser(), target
-        target.mkdir(parents=True, exist_ok=True)
+        checked = []                                   # validate all four before copying any
         for name, (_, raw_md5) in FILES.items():
             path = _find(source, name)
             if path is None:
                 raise DataFileMissing(f"{source}: no {name}.gz or {name} here")
-            raw = path.read_bytes()
             content = _read_bytes(path)
             parse_idx(content, source=path)
             got = hashlib.md5(content, usedforsecurity=False).hexdigest()
             if check_md5 and got != raw_md5:
                 raise DataFormatError(f"{path}: decompressed MD5 {got} differs from the official "
                                       f"{raw_md5}; not the official Fashion-MNIST file")
+            checked.append(path)
+        target.mkdir(parents=True, exist_ok=True)
+        for path in checked:
             if path.resolve().parent == target.resolve():
                 continue
             fd, tmp = tempfile.mkstemp(dir=target, prefix=".tinyvit-copy-")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(raw)
+                    f.write(path.read_bytes())
                 apply_umask(tmp)
                 os.replace(tmp, target / path.name)
             finally:
