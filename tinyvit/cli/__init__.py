@@ -70,15 +70,19 @@ def read_toml(path) -> dict:
 
 
 
+# One module per group of subcommands, in the order `tinyvit --help` lists them.
+COMMAND_GROUPS = ("models", "train", "pretrain", "inspect", "bench")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tinyvit",
         description="The Vision Transformer (Dosovitskiy et al., 2020) from scratch on NumPy/CuPy.")
     parser.add_argument("--version", action="version", version=f"tinyvit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from . import models, train
-    for group in (models, train):
-        group.register(sub)
+    import importlib
+    for group in COMMAND_GROUPS:
+        importlib.import_module(f"{__name__}.{group}").register(sub)
     return parser
 
 

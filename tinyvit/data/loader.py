@@ -86,11 +86,9 @@ class DataLoader:
             idx = idx if xp is np else xp.asarray(idx)
             x = to_device(self.images[idx], self.device)                       # (B, C, H, W) uint8
             y = to_device(self.labels[idx], self.device)                       # (B,) int64
-            self.position = b + 1
-            if self.transform is not None:
-                yield self.transform(x, y)
-            else:
-                yield to_float(x, self.dtype), y
+            batch = self.transform(x, y) if self.transform is not None else (to_float(x, self.dtype), y)
+            self.position = b + 1                   # counted once ready: a checkpoint taken after
+            yield batch                             # this step resumes with batch b + 1
         self._next_epoch()
 
     def state_dict(self) -> dict:

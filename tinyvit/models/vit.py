@@ -180,6 +180,7 @@ class ViT(nn.Module):
     and ``add_position``.
     """
     arch = "vit"
+    config_class = ViTConfig
 
     def __init__(self, config: ViTConfig):
         super().__init__()

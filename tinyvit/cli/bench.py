@@ -1,0 +1,5 @@
+"""PLACEHOLDER: being written (registers no subcommand yet)."""
+
+
+def register(sub) -> None:
+    pass
