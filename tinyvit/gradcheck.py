@@ -6,8 +6,9 @@ numeric one from central differences
 
     dL/dx[i] ~ (L(x + eps e_i) - L(x - eps e_i)) / (2 eps)          error O(eps^2)
 
-in float64. G must be random: with G = 1 a softmax backward that forgets its Jacobian's off-diagonal
-term still passes, because the rows of a softmax Jacobian sum to zero.
+in float64. G must be random: with G = 1 the true gradient of a softmax is exactly zero (its outputs
+sum to one whatever the input), so a wrong backward that also returns zero for G = 1, such as
+g - sum(g * y) without the leading factor y, still passes.
 
 For inputs too large to perturb element by element, "random" mode compares directional derivatives
 along random directions v: (L(x + eps v) - L(x - eps v)) / (2 eps) against <dL/dx, v>.
