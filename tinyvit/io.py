@@ -322,6 +322,17 @@ TIMM_VIT_LAYOUTS = {
     "pre_logits.fc.bias": "same",
     "head.weight": "linear",
     "head.bias": "same",
+    # The hybrid (timm's vit_base_r50_s16_224: HybridEmbed with a ResNetV2 backbone). Conv kernels
+    # are (out, in, kh, kw) in both; the 1x1 projection is patch_embed.proj above ("conv").
+    "patch_embed.backbone.stem.conv.weight": "same",
+    "patch_embed.backbone.stem.norm.weight": "same",
+    "patch_embed.backbone.stem.norm.bias": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.conv{k}.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.norm{k}.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.norm{k}.bias": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.conv.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.norm.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.norm.bias": "same",
 }
 
 _TIMM_HINT = ("timm features without a tinyvit equivalent (fc_norm, reg_token, layer scale 'ls1/ls2', "
@@ -371,15 +382,26 @@ def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
     return state
 
 
+def _hybrid_embed_channels(state: Mapping) -> int | None:
+    """C', the channels of a hybrid's feature map (its backbone's last conv's output), or None for a ViT."""
+    convs = {}
+    for name in state:
+        m = re.fullmatch(r"patch_embed\.backbone\.(?:stem\.conv|stages\.(\d+)\.blocks\.(\d+)\.conv3)\.weight", name)
+        if m:
+            convs[(-1, -1) if m.group(1) is None else (int(m.group(1)), int(m.group(2)))] = name
+    return int(state[convs[max(convs)]].shape[0]) if convs else None
+
+
 def to_timm_state_dict(state, in_channels: int | None = None) -> dict:
     """Our state dict (or a model) -> timm/PyTorch layouts, {name: NumPy array}.
 
     in_channels is needed to fold the patch embedding back into (D, C, P, P); it is read from the
-    model when a model is given, and defaults to 3 otherwise."""
+    model when a model is given (for a hybrid, the ResNet's output channels, read from the state
+    too), and defaults to 3 otherwise."""
     if hasattr(state, "state_dict"):
-        in_channels = in_channels or state.config.in_channels
+        in_channels = in_channels or getattr(state.config, "feature_channels", state.config.in_channels)
         state = state.state_dict()
-    in_channels = in_channels or 3
+    in_channels = in_channels or _hybrid_embed_channels(state) or 3
     out, unknown = {}, []
     for name, value in state.items():
         template, _ = _match(name, TIMM_VIT_LAYOUTS)
@@ -415,6 +437,11 @@ def hwio_to_patch_weight(kernel: np.ndarray) -> np.ndarray:
     return kernel.transpose(2, 0, 1, 3).reshape(c * ph * pw, d)
 
 
+def hwio_to_conv_weight(kernel: np.ndarray) -> np.ndarray:
+    """Flax conv kernel (kh, kw, in, out) -> ours and PyTorch's (out, in, kh, kw)."""
+    return kernel.transpose(3, 2, 0, 1)
+
+
 def heads_to_qkv_weight(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Three (D, H, dh) kernels -> our fused (D, 3D) = [q | k | v], head h at columns h*dh:(h+1)*dh."""
     return np.concatenate([w.reshape(w.shape[0], -1) for w in (q, k, v)], axis=1)
@@ -433,7 +460,8 @@ def heads_to_proj_weight(out: np.ndarray) -> np.ndarray:
 _BLOCK = "Transformer/encoderblock_{i}/"
 _MHA = _BLOCK + "MultiHeadDotProductAttention_1/"
 
-# Our name template -> (official name template(s), function of those arrays -> ours; None = as is).
+# Our name template -> (official name template(s), function of those arrays -> ours; None = as is
+# [, offset: their numbers minus ours, for names counted from 1]).
 OFFICIAL_VIT_NAMES = {
     "patch_embed.proj.weight": (("embedding/kernel",), hwio_to_patch_weight),
     "patch_embed.proj.bias": (("embedding/bias",), None),
@@ -461,6 +489,28 @@ OFFICIAL_VIT_NAMES = {
     "head.bias": (("head/bias",), None),
 }
 
+# The hybrid's ResNet (vit_jax/models_vit.py: conv_root, gn_root, then ResNetStage 'block{s}' of
+# ResidualUnit 'unit{u}', both counted from 1; models_resnet.py: conv1-3, gn1-3, conv_proj, gn_proj).
+# Its 1x1 'embedding' kernel (1, 1, C', D) is the ViT entry above.
+_UNIT, _OUR_UNIT = "block{s}/unit{b}/", "patch_embed.backbone.stages.{s}.blocks.{b}."
+OFFICIAL_VIT_NAMES.update({
+    "patch_embed.backbone.stem.conv.weight": (("conv_root/kernel",), hwio_to_conv_weight),
+    "patch_embed.backbone.stem.norm.weight": (("gn_root/scale",), None),
+    "patch_embed.backbone.stem.norm.bias": (("gn_root/bias",), None),
+    _OUR_UNIT + "conv1.weight": ((_UNIT + "conv1/kernel",), hwio_to_conv_weight, 1),
+    _OUR_UNIT + "norm1.weight": ((_UNIT + "gn1/scale",), None, 1),
+    _OUR_UNIT + "norm1.bias": ((_UNIT + "gn1/bias",), None, 1),
+    _OUR_UNIT + "conv2.weight": ((_UNIT + "conv2/kernel",), hwio_to_conv_weight, 1),
+    _OUR_UNIT + "norm2.weight": ((_UNIT + "gn2/scale",), None, 1),
+    _OUR_UNIT + "norm2.bias": ((_UNIT + "gn2/bias",), None, 1),
+    _OUR_UNIT + "conv3.weight": ((_UNIT + "conv3/kernel",), hwio_to_conv_weight, 1),
+    _OUR_UNIT + "norm3.weight": ((_UNIT + "gn3/scale",), None, 1),
+    _OUR_UNIT + "norm3.bias": ((_UNIT + "gn3/bias",), None, 1),
+    _OUR_UNIT + "downsample.conv.weight": ((_UNIT + "conv_proj/kernel",), hwio_to_conv_weight, 1),
+    _OUR_UNIT + "downsample.norm.weight": ((_UNIT + "gn_proj/scale",), None, 1),
+    _OUR_UNIT + "downsample.norm.bias": ((_UNIT + "gn_proj/bias",), None, 1),
+})
+
 # Prefixes some releases put before every name (as timm's npz loader checks): the old fine-tuning
 # checkpoints store the optimizer's target, big_vision stores "params/".
 OFFICIAL_PREFIXES = ("opt/target/", "params/")
@@ -487,13 +537,15 @@ def read_official_npz(path_or_mapping) -> dict:
 
 
 def convert_by_table(arrays: Mapping, table: Mapping, source: str = "checkpoint", strict: bool = True) -> dict:
-    """Rename and re-lay-out ``arrays`` with a table {our template: (their templates, fn)}.
+    """Rename and re-lay-out ``arrays`` with a table {our template: (their templates, fn[, offset])}.
 
     Each entry's first foreign template is matched against every name (``{i}`` matches a number);
     the other foreign names of the entry are filled in with the same numbers, and ``fn`` turns the
-    list of arrays into ours. Names no entry consumes are reported (an error when strict)."""
+    list of arrays into ours. ``offset`` (default 0) is subtracted from the numbers for our name
+    (1 where they count from 1). Names no entry consumes are reported (an error when strict)."""
     state, used = {}, set()
-    for ours, (theirs, fn) in table.items():
+    for ours, (theirs, fn, *offset) in table.items():
+        offset = offset[0] if offset else 0
         pattern = _template_regex(theirs[0])
         for name in arrays:
             m = pattern.match(name)
@@ -504,7 +556,8 @@ def convert_by_table(arrays: Mapping, table: Mapping, source: str = "checkpoint"
             if missing:
                 raise ValueError(f"{source}: {name} is there but {', '.join(missing)} is missing")
             parts = [arrays[n] for n in names]
-            state[ours.format(**m.groupdict())] = _contiguous(fn(*parts) if fn else parts[0])
+            numbers = {k: int(v) - offset for k, v in m.groupdict().items()}
+            state[ours.format(**numbers)] = _contiguous(fn(*parts) if fn else parts[0])
             used.update(names)
     _report_unknown([n for n in arrays if n not in used], source, strict)
     return state
@@ -571,9 +624,64 @@ def config_from_state_dict(state: Mapping, patch_size: int, in_channels: int, **
     return ViTConfig(**cfg)
 
 
+def hybrid_config_from_state_dict(state: Mapping, **overrides):
+    """The HybridConfig a hybrid's state dict in OUR names and layouts implies; ``overrides`` win.
+
+    From the backbone's shapes: units per stage, width factor (root channels / 64), root ("bit" for
+    a 7x7 root conv, else "light") and image channels; the patch size P from E's rows / C'^2; the
+    Transformer's fields as config_from_state_dict on the feature map, whose grid times the ResNet
+    stride times P is image_size. resnet_groups is not in the weights (default 32: pass it)."""
+    from .models import resnet
+    from .models.hybrid import HybridConfig
+    from .models.vit import ViTConfig
+    prefix = "patch_embed.backbone."
+    root = state[prefix + "stem.conv.weight"]                           # (64 wf, C, k, k)
+    units = {}
+    for name in state:
+        m = re.match(r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.", name)
+        if m:
+            units[int(m.group(1))] = max(units.get(int(m.group(1)), 0), int(m.group(2)) + 1)
+    layers = tuple(units[s] for s in sorted(units))
+    kind = "bit" if root.shape[2] == 7 else "light"
+    width_factor = root.shape[0] / 64
+    width_factor = int(width_factor) if width_factor.is_integer() else width_factor
+    channels = _hybrid_embed_channels(state)
+    rows = state["patch_embed.proj.weight"].shape[0]
+    patch = int(round((rows / channels) ** 0.5))
+    if channels * patch * patch != rows:
+        raise ValueError(f"the hybrid's patch embedding has {rows} rows, not C' * P * P for its {channels} "
+                         "feature channels")
+    own = {"image_size", "in_channels", "patch_size"}
+    vit_names = {f.name for f in dataclasses.fields(ViTConfig)} - own
+    vit = config_from_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, patch, channels,
+                                 **{k: v for k, v in overrides.items() if k in vit_names})
+    cfg = dict(dataclasses.asdict(vit), patch_size=patch, in_channels=int(root.shape[1]), resnet_layers=layers,
+               resnet_width_factor=width_factor, resnet_root=kind)
+    if vit.posemb in ("learned-1d", "learned-2d"):                      # the grid is in the weights
+        cfg["image_size"] = vit.image_size * resnet.total_stride(layers, kind)
+    else:
+        cfg["image_size"] = HybridConfig.image_size
+    cfg.update(overrides)
+    try:
+        return HybridConfig(**cfg)
+    except ValueError as exc:
+        if "resnet_groups" in str(exc) and "resnet_groups" not in overrides:
+            raise ValueError(f"{exc} (the GroupNorm groups are not stored in the weights: "
+                             "pass resnet_groups=)") from exc
+        raise
+
+
+def _is_hybrid(state: Mapping) -> bool:
+    return any(k.startswith("patch_embed.backbone.") for k in state)
+
+
 def config_from_timm_state_dict(sd: Mapping, **overrides):
-    """The ViTConfig of a timm ViT state dict (torch layouts). timm uses exact GELU and LayerNorm
-    eps 1e-6. Pass num_heads= for widths other than the standard ones."""
+    """The ViTConfig of a timm ViT state dict (torch layouts), or the HybridConfig of a timm hybrid
+    (vit_base_r50_s16_224, ...). timm uses exact GELU and LayerNorm eps 1e-6. Pass num_heads= for
+    widths other than the standard ones."""
+    if _is_hybrid(sd):
+        overrides.setdefault("gelu_approximate", "none")
+        return hybrid_config_from_state_dict(from_timm_state_dict(sd, strict=None), **overrides)
     kernel = sd["patch_embed.proj.weight"]                      # (D, C, P, P)
     _, c, ph, pw = tuple(kernel.shape)
     if ph != pw:
@@ -596,6 +704,8 @@ def config_from_official_npz(arrays, **overrides):
     if query is not None:
         overrides.setdefault("num_heads", query.shape[1])
     overrides.setdefault("gelu_approximate", "tanh")
+    if "conv_root/kernel" in arrays:                          # a hybrid (R50+ViT-B/16, ...)
+        return hybrid_config_from_state_dict(from_official_npz(arrays, strict=None), **overrides)
     return config_from_state_dict(from_official_npz(arrays, strict=None), ph, c, **overrides)
 
 
@@ -634,7 +744,7 @@ _PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never
 def _read_source(source, hints: dict):
     """(our state dict, arch, the config the checkpoint itself implies) for any source. ``hints``:
     config fields the weights do not store (num_heads for timm, ...), used while inferring."""
-    from .models import ARCHS
+    from .models import ARCHS, model_class
     if isinstance(source, Mapping):
         arrays, metadata, where = dict(source), {}, "state dict"
     else:
@@ -654,12 +764,17 @@ def _read_source(source, hints: dict):
         state, _, _, arch, config = _split_checkpoint(where, arrays, metadata)
         if arch not in ARCHS:
             raise ValueError(f"{where}: unknown architecture {arch!r}; known: {sorted(ARCHS)}")
-        return state, arch, ARCHS[arch][1].from_dict(config)
+        return state, arch, model_class(arch).config_class.from_dict(config)
     if any(k.endswith("embedding/kernel") for k in arrays):   # the official Flax names
-        return from_official_npz(arrays), "vit", config_from_official_npz(arrays, **hints)
+        state = from_official_npz(arrays)
+        return state, "hybrid" if _is_hybrid(state) else "vit", config_from_official_npz(arrays, **hints)
     kernel = arrays.get("patch_embed.proj.weight")
     if kernel is not None and len(kernel.shape) == 4:         # timm / PyTorch layouts
-        return from_timm_state_dict(arrays), "vit", config_from_timm_state_dict(arrays, **hints)
+        arch = "hybrid" if _is_hybrid(arrays) else "vit"
+        return from_timm_state_dict(arrays), arch, config_from_timm_state_dict(arrays, **hints)
+    if kernel is not None and len(kernel.shape) == 2 and _is_hybrid(arrays):   # our names, a hybrid
+        state = {k: _to_numpy(v) for k, v in arrays.items()}
+        return state, "hybrid", hybrid_config_from_state_dict(state, **hints)
     if kernel is not None and len(kernel.shape) == 2:         # already our names and layouts
         c = hints.get("in_channels", 3)
         p = hints.get("patch_size", int(round((kernel.shape[0] / c) ** 0.5)))
@@ -687,7 +802,7 @@ def adapt_state_dict(state: Mapping, old, new, resize_method: str = "bilinear") 
         reset += ["head."]
     state = {k: v for k, v in state.items() if not k.startswith(tuple(reset))}
 
-    old_grid, new_grid = old.image_size // old.patch_size, new.image_size // new.patch_size
+    old_grid, new_grid = old.grid_size, new.grid_size        # patches per side (hybrids: of the feature map)
     if old_grid != new_grid:
         if "pos_embed" in state and new.posemb == "learned-1d":
             prefix = 1 if new.pool == "token" else 0

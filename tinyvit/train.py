@@ -8,16 +8,21 @@ One run writes into its folder (``out``):
     latest.safetensors    model + optimizer + schedule + data order + RNG: everything ``resume`` needs
     best.safetensors      the model with the best test accuracy so far
 Checkpoints are written atomically (temp file + rename; tinyvit.io.save_arrays), so a crash or Ctrl-C
-never leaves a torn file. Resuming restores the exact data order and random state, so a run stopped
-after an epoch and resumed ends with the same weights as one that never stopped (on the CPU; on a
-GPU CuPy's generator is re-seeded at each epoch, so runs resumed mid-epoch may differ slightly).
+never leaves a torn file. Ctrl-C saves latest.safetensors as of the last complete step (the step in
+progress is done again after resuming; an optimizer update is never half applied). Resuming restores
+the exact data order and random state, so a run stopped (after an epoch, or by Ctrl-C anywhere) and
+resumed ends with the same weights as one that never stopped (on the CPU; on a GPU CuPy's generator
+is re-seeded at each epoch, so runs resumed mid-epoch may differ slightly).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -201,6 +206,15 @@ def build_model(cfg: TrainConfig, dataset):
     return create(name, **overrides)
 
 
+def load_data(name: str, data_dir=None, dataset_args: dict | None = None):
+    """``load_dataset`` with a run's [dataset] settings; a setting the dataset's loader does not take
+    (or of the wrong type) is a ValueError naming them, not a traceback."""
+    try:
+        return load_dataset(name, root=data_dir, **(dataset_args or {}))
+    except TypeError as exc:
+        raise ValueError(f"[dataset] settings {dataset_args} do not fit {name}: {exc}") from None
+
+
 def make_optimizer(cfg: TrainConfig, model):
     """AdamW/Adam/SGD with no weight decay on biases, norms, class token and position embeddings."""
     groups = optim.param_groups_weight_decay(model, cfg.weight_decay)
@@ -336,12 +350,13 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     if cfg.resume and not latest.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {latest} to resume from")
 
-    dataset = load_dataset(cfg.dataset, root=cfg.data_dir, **cfg.dataset_args)
+    dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     if cfg.train_limit or cfg.test_limit:
         dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
     backend.manual_seed(cfg.seed)
-    if model is None:
-        model = objective.build_model(cfg, dataset)
+    resume_from = io.load_checkpoint(latest) if cfg.resume else None
+    if model is None:           # resuming: the checkpoint's own model (a fine-tuned one is no preset)
+        model = resume_from[0] if resume_from else objective.build_model(cfg, dataset)
     if model.config.image_size != dataset.image_size:        # fine-tuning at another resolution
         size = model.config.image_size
         log(f"resizing {dataset.name} images from {dataset.image_size} to {size} px")
@@ -360,17 +375,19 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
     sched = optim.LRScheduler(opt, lambda s: optim.warmup_cosine(s, total_steps, warmup_steps, cfg.lr, cfg.min_lr))
 
-    history, state = [], {"epoch": 0, "best_acc": -1.0, "partial": None}
+    # progress: epochs done, best test accuracy, the sums of an interrupted epoch ("partial"), and the
+    # metrics of an epoch trained but interrupted while being evaluated ("trained").
+    history, state = [], {"epoch": 0, "best_acc": -1.0, "partial": None, "trained": None}
     if cfg.resume:
-        model_ckpt, extra, meta = io.load_checkpoint(latest)
+        model_ckpt, extra, meta = resume_from
         model.load_state_dict(model_ckpt.state_dict())
         saved = json.loads(meta["training"])
         opt.load_state_dict(_unflatten_optimizer(extra, saved["optimizer"]))
         sched.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["loader"])
         backend.rng().bit_generator.state = saved["rng"]
-        state = saved["progress"]
-        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        state = {**state, **saved["progress"]}
+        history = _read_metrics(out / "metrics.jsonl", state["epoch"])
         log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -384,19 +401,21 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     try:
         while state["epoch"] < cfg.epochs:
             epoch = state["epoch"] + 1
-            if loader.position == 0:
-                backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
-            row = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest)
+            if state["trained"] is None:                     # else only its evaluation is left to do
+                if loader.position == 0:
+                    backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
+                state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
+                                                    progress, latest)
             test = objective.evaluate(model, test_loader)
-            row.update(test_loss=test["loss"], test_acc=test["acc"])
+            row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"]}
+            with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see _read_metrics
+                f.write(json.dumps(row) + "\n")
             history.append(row)
-            state.update(epoch=epoch, partial=None)
+            state.update(epoch=epoch, partial=None, trained=None)
             if test["acc"] > state["best_acc"]:
                 state["best_acc"] = test["acc"]
                 io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
             checkpoint()
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
             _plot(history, out / "curves.png")
             log(f"epoch {epoch}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
                 f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
@@ -410,14 +429,57 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
 
+def _read_metrics(path: Path, epochs_done: int) -> list:
+    """The metrics rows of the epochs a checkpoint holds. A row written just before an interruption
+    that the checkpoint missed is dropped from the file: its epoch is evaluated again."""
+    if not path.exists():                               # interrupted in the first epoch
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if row["epoch"] <= epochs_done]
+    if len(kept) < len(rows):
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    return kept
+
+
+def _resume_point(loader) -> tuple:
+    """Data order, augmentation and dropout random state at a step boundary (where a resume restarts)."""
+    return loader.state_dict(), copy.deepcopy(backend.rng().bit_generator.state)
+
+
+def _go_back_to(loader, point) -> None:
+    loader.load_state_dict(point[0])
+    backend.rng().bit_generator.state = copy.deepcopy(point[1])
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_block():
+    """Hold a Ctrl-C back until the block has run, so an update is applied whole or not at all
+    (in the main thread, over Python's own SIGINT handler; elsewhere it changes nothing)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest) -> dict:
     """One pass over the training data (continuing a partial epoch after a resume). The running sums
-    stay on the device, read back once every ``check_every`` steps (no host sync per step)."""
+    stay on the device, read back once every ``check_every`` steps (no host sync per step).
+    Interrupted (Ctrl-C), it leaves the loader and random state as they were after the last complete
+    step, and that step's sums in state["partial"]: the checkpoint resumes with the step it lost."""
     model.train()
     done = state.get("partial") or {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
     loss_sum, correct_sum, seen = 0.0, 0.0, 0
     start, check_every = time.perf_counter(), 20
     bar = _progress_bar(len(loader), loader.position, f"epoch {epoch}/{cfg.epochs}", progress)
+    resume_at = _resume_point(loader)
 
     def totals():
         return {"loss": done["loss"] + float(loss_sum), "correct": done["correct"] + float(correct_sum),
@@ -430,24 +492,29 @@ def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, pr
             loss.backward()                                                         # backward
             if cfg.grad_clip:
                 optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
-            opt.step()                                                              # update
-            sched.step()
-            loss_sum = loss_sum + loss.data * len(y)
-            correct_sum = correct_sum + correct
-            seen += len(y)
+            with _ctrl_c_after_block():
+                opt.step()                                                          # update
+                sched.step()
+                loss_sum = loss_sum + loss.data * len(y)
+                correct_sum = correct_sum + correct
+                seen += len(y)
+                resume_at = _resume_point(loader)
             if step_in_epoch % check_every == 0 or step_in_epoch == len(loader):
                 t = totals()
                 mean_loss = t["loss"] / t["seen"]
                 if not math.isfinite(mean_loss):
-                    raise TrainingDiverged(
-                        f"the loss became {mean_loss} at epoch {epoch}, step {step_in_epoch}; stopping. The last "
-                        f"good checkpoint is kept at {latest} (try a lower --lr, or --grad-clip 1.0)")
+                    kept = (f"The last good checkpoint is kept at {latest}: continue from it with --resume and a "
+                            "lower --lr" if latest.exists() else "No checkpoint was saved yet: start again with "
+                            "a lower --lr")
+                    raise TrainingDiverged(f"the loss became {mean_loss} at epoch {epoch}, step {step_in_epoch}; "
+                                           f"stopping. {kept} (or --grad-clip 1.0)")
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{100 * t['correct'] / t['seen']:.1f}%",
                                     img_s=f"{seen / max(time.perf_counter() - start, 1e-9):.0f}")
             if bar is not None:
                 bar.update(1)
     except KeyboardInterrupt:
+        _go_back_to(loader, resume_at)  # the step in progress is lost: a resume does it again
         state["partial"] = totals()     # the interrupted epoch's sums go into the checkpoint
         raise
     finally:
@@ -478,13 +545,20 @@ FINETUNE_DEFAULTS = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_c
 
 
 def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
-                     resize_method: str = "bilinear"):
+                     resize_method: str = "bilinear", **overrides):
     """A model initialised from ``checkpoint`` for fine-tuning: the whole head (pre-logits included)
     replaced by a zero-initialised linear layer for ``num_classes``, and, for a new ``image_size``,
-    the position embeddings 2D-interpolated to the new patch grid (section 3.2)."""
+    the position embeddings 2D-interpolated to the new patch grid (section 3.2). ``overrides``:
+    config fields that need no new weights, e.g. drop_path=0.1, dropout=0.1."""
     old_model, _, _ = io.load_checkpoint(checkpoint)
+    if hasattr(old_model, "to_vit"):                   # a pre-trained encoder (e.g. masked patch prediction)
+        old_model = old_model.to_vit()
     old = old_model.config
-    new = replace(old, num_classes=num_classes, representation_size=None, image_size=image_size or old.image_size)
+    unknown = sorted(set(overrides) - {f.name for f in fields(old)})
+    if unknown:
+        raise ValueError(f"unknown model settings {unknown}; known: {sorted(f.name for f in fields(old))}")
+    new = replace(old, **{"num_classes": num_classes, "representation_size": None,
+                          "image_size": image_size or old.image_size, **overrides})
     state = {k: v for k, v in old_model.state_dict().items() if not k.startswith(("head.", "pre_logits."))}
     state, _ = io.adapt_state_dict(state, replace(old, num_classes=num_classes, representation_size=None), new,
                                    resize_method)

@@ -1,5 +1,61 @@
-"""PLACEHOLDER: being written (registers no subcommand yet)."""
+"""`tinyvit bench`: training-step throughput, step time, peak memory and MFU, optionally against PyTorch."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from . import UsageError, model_args
+
+
+def cmd_bench(args) -> int:
+    """Time the training step (forward, cross-entropy, backward, AdamW) and print the report."""
+    from ..bench import format_report, run_benchmark
+    if args.compare == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise UsageError("--compare torch needs PyTorch: pip install 'tinyvit[reference]'") from None
+    try:
+        report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                               tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
+                               compare=args.compare, torch_attention=args.torch_attention,
+                               peak_tflops=args.peak_tflops, model_args=model_args(args.model_arg), seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    report["command"] = "tinyvit bench " + shlex.join(sys.argv[1:]) if args.argv is None else args.argv
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"report written to {args.json}")
+    return 0
 
 
 def register(sub) -> None:
-    pass
+    p = sub.add_parser("bench", help="time the training step (images/s, memory, MFU), optionally against PyTorch",
+                       description="Time one training step (forward, cross-entropy, backward, AdamW update) on a "
+                                   "synthetic batch: median step time over --steps after --warmup steps, images/s, "
+                                   "peak memory and model FLOPs utilisation. --compare torch runs the same model, "
+                                   "weights, batch and thread count in PyTorch eager and prints the ratio.")
+    p.add_argument("--model", default="vit-cifar/4", help="named variant (default vit-cifar/4: dim 192, depth 6, "
+                                                          "3 heads, patch 4, 32x32, 10 classes)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="ViTConfig override (repeatable)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", "--precision", dest="dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--tf32", action="store_true", help="TF32 tensor-core matmuls (cuda, float32; both sides)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for NumPy's BLAS and torch.set_num_threads (default: all cores available)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
+    p.add_argument("--compare", choices=("torch",), default=None, help="also time PyTorch eager on the same setup")
+    p.add_argument("--torch-attention", choices=("explicit", "sdpa"), default="explicit",
+                   help="PyTorch attention: explicit softmax(q k^T) v as tinyvit (default) or "
+                        "F.scaled_dot_product_attention")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s for MFU (default: measure a square matmul)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON")
+    p.set_defaults(func=cmd_bench, argv=None)

@@ -1,5 +1,129 @@
-"""PLACEHOLDER: being written (registers no subcommand yet)."""
+"""`tinyvit pretrain` (masked patch prediction, appendix B.1.2) and `tinyvit fewshot` (few-shot linear
+accuracy of a frozen representation, section 4.1)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import UsageError
+from .train import _add_train_flags, _dataset_args, _run_training, _train_config, _validated
+
+# Flags of `tinyvit train` that mean nothing without labels.
+LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix")
+
+
+def _number_list(text: str, cast, what: str) -> list:
+    try:
+        values = [cast(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be a comma-separated list of numbers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{what} is empty")
+    return values
+
+
+def cmd_pretrain(args) -> int:
+    """Self-supervised pre-training of a ViT encoder by masked patch prediction."""
+    from ..models.masked import PRETRAIN_DEFAULTS, MaskedPrediction
+    cfg = _train_config(args, defaults=PRETRAIN_DEFAULTS)
+    task = {"target": args.target, "mask_rate": args.mask_rate, "mask_fraction": args.mask_fraction,
+            "random_fraction": args.random_fraction}
+    # The task's settings are MaskedConfig fields: they travel in model_args (and so in the run's
+    # config.json and checkpoints) like any other model setting.
+    cfg.model_args = {**cfg.model_args, **{k: v for k, v in task.items() if v is not None}}
+    if cfg.out is None:
+        target = cfg.model_args.get("target", "mean3bit")
+        cfg.out = str(Path("runs") / f"pretrain-{cfg.dataset}-{(cfg.model or 'preset').replace('/', '-')}-{target}")
+    return _run_training(_validated(cfg), objective=MaskedPrediction())
+
+
+def cmd_fewshot(args) -> int:
+    """Few-shot linear accuracy of a checkpoint's frozen representation, mean and spread over seeds."""
+    import numpy as np
+
+    from ..fewshot import extract_features, fewshot_evaluate, fewshot_subsets
+    from ..inference import load_for_inference
+    from ..train import load_data
+    shots = _number_list(args.shots, int, "--shots")
+    l2s = _number_list(args.l2, float, "--l2")
+    if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
+        raise UsageError("--shots and --seeds must be >= 1 and --l2 > 0")
+    dataset_args = _dataset_args(args.dataset_arg)
+    model, info = load_for_inference(args.checkpoint, device=args.device)
+    ds = load_data(args.dataset, args.data_dir, dataset_args)
+    if args.test_limit:
+        ds = ds.subset(None, args.test_limit)
+    cfg = model.config
+    if (ds.channels, ds.image_size) != (cfg.in_channels, cfg.image_size):
+        raise ValueError(f"the model takes {cfg.in_channels}x{cfg.image_size}x{cfg.image_size} images but "
+                         f"{ds.name} has {ds.channels}x{ds.image_size}x{ds.image_size}")
+    # The normalisation the model was trained with, when its checkpoint says; else the dataset's.
+    mean, std = (info["mean"], info["std"]) if info.get("name") else (ds.mean, ds.std)
+    pool = None if args.pool == "default" else args.pool
+
+    def features(images):
+        return extract_features(model, images, mean, std, args.batch_size, args.device, pool=pool)
+
+    # Only the training images some subset uses need features.
+    subsets = fewshot_subsets(ds.train_labels, shots, args.seeds, args.seed)
+    needed = np.unique(np.concatenate(list(subsets.values())))
+    test_features = features(ds.test_images)
+    train_features = np.zeros((len(ds.train_labels), test_features.shape[1]), np.float32)
+    train_features[needed] = features(ds.train_images[needed])
+    results = fewshot_evaluate(train_features, ds.train_labels, test_features, ds.test_labels, shots, args.seeds,
+                               l2s, num_classes=ds.num_classes, standardize=not args.no_standardize, seed=args.seed)
+    rep = {None: "the classifier's input", "token": "class token", "gap": "mean of the patch tokens"}[pool]
+    print(f"{args.checkpoint} ({model.arch}): few-shot linear accuracy on {ds.name} test "
+          f"({len(ds.test_images)} images, {ds.num_classes} classes), {rep}, {args.seeds} seeds")
+    print(f"{'shots':>6}{'l2':>10}{'mean':>10}{'std':>8}{'min':>8}{'max':>8}")
+    for (n, l2), r in results.items():
+        print(f"{n:>6}{l2:>10g}{100 * r['mean']:>9.2f}%{100 * r['std']:>8.2f}"
+              f"{100 * min(r['accs']):>8.2f}{100 * max(r['accs']):>8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"shots": n, "l2": l2, **r} for (n, l2), r in results.items()],
+                                              indent=2))
+    return 0
 
 
 def register(sub) -> None:
-    pass
+    p = sub.add_parser("pretrain", help="self-supervised pre-training by masked patch prediction (appendix B.1.2)",
+                       description="Masked patch prediction (section 4.6, appendix B.1.2): corrupt a fraction of "
+                                   "the patch embeddings and predict each corrupted patch's target. Labels are "
+                                   "never read. Unset flags: the paper's recipe (Adam, lr 2e-4, warmup then "
+                                   "cosine; tinyvit/models/masked.py PRETRAIN_DEFAULTS), then the dataset's. "
+                                   "Fine-tune the result with `tinyvit finetune`, probe it with `tinyvit fewshot`.")
+    p.add_argument("--target", choices=("mean3bit", "downsized3bit", "pixels-l2"), default=None,
+                   help="what to predict for a corrupted patch: its 3-bit mean colour (default, the paper's "
+                        "choice), its 4x4 downsized 3-bit colours, or its pixels by L2 regression")
+    p.add_argument("--mask-rate", type=float, default=None,
+                   help="fraction of the patches corrupted per image (default 0.5; BERT's is 0.15)")
+    p.add_argument("--mask-fraction", type=float, default=None,
+                   help="of the corrupted: share replaced by the [mask] embedding (default 0.8)")
+    p.add_argument("--random-fraction", type=float, default=None,
+                   help="of the corrupted: share replaced by a random other patch (default 0.1; the rest is kept)")
+    _add_train_flags(p, skip=LABEL_FLAGS)
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("fewshot", help="few-shot linear accuracy of a checkpoint's frozen features (section 4.1)",
+                       description="Fit a regularised least-squares map from the frozen representation of SHOTS "
+                                   "training images per class to {-1, 1}^K targets, in closed form, and report "
+                                   "test accuracy: mean and spread over --seeds random subsets (section 4.1).")
+    p.add_argument("checkpoint", help="a ViT checkpoint (tinyvit train) or a pre-trained one (tinyvit pretrain)")
+    p.add_argument("--dataset", required=True, choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
+                   help="a dataset option, as in the [dataset] table of `train --config` (e.g. train_size=1000)")
+    p.add_argument("--shots", default="1,5,10,25", help="training images per class, comma-separated")
+    p.add_argument("--seeds", type=int, default=5, help="random subsets per shot count")
+    p.add_argument("--l2", default="1", help="ridge penalty (comma-separated for several)")
+    p.add_argument("--pool", choices=("default", "token", "gap"), default="default",
+                   help="representation: the model's own (the classifier's input: the class token's output, "
+                        "or the mean of the patch tokens for a pool='gap' model), the class token, or the mean "
+                        "of the patch tokens")
+    p.add_argument("--no-standardize", action="store_true", help="do not scale features to unit variance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test images only")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=cmd_fewshot)

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import UsageError, model_args, read_toml
+from . import UsageError, model_args, parse_value, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -33,10 +33,43 @@ def _train_config(args, defaults=None):
         raise UsageError(str(exc)) from None
 
 
-def _run_training(cfg, model=None) -> int:
+def _validated(cfg):
+    """cfg, after checking every value (a bad one is a usage error, before any data is loaded)."""
+    try:
+        cfg.resolved()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return cfg
+
+
+def _check_model(cfg) -> None:
+    """The model name and its --model-arg / [model] settings must be ones the named models know."""
+    from dataclasses import fields
+
+    from ..models import ViTConfig, config_for
+    try:
+        known = {f.name for f in fields(config_for(cfg.model) if cfg.model else ViTConfig)}
+    except ValueError as exc:                      # names the known models
+        raise UsageError(str(exc)) from None
+    unknown = sorted(set(cfg.model_args) - known)
+    if unknown:
+        raise UsageError(f"unknown model settings {unknown} (--model-arg or [model]); known: {sorted(known)}")
+
+
+def _dataset_args(pairs) -> dict:
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UsageError(f"--dataset-arg needs KEY=VALUE (e.g. train_size=1000), got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.strip().replace("-", "_")] = parse_value(value.strip())
+    return out
+
+
+def _run_training(cfg, model=None, objective=None) -> int:
     from ..train import TrainingDiverged, train
     try:
-        result = train(cfg, model=model)
+        result = train(cfg, model=model, objective=objective)
     except KeyboardInterrupt:
         return 130
     except TrainingDiverged as exc:
@@ -49,36 +82,37 @@ def _run_training(cfg, model=None) -> int:
 
 def cmd_train(args) -> int:
     """Train a ViT from scratch."""
-    cfg = _train_config(args)
-    try:
-        cfg.resolved()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    cfg = _validated(_train_config(args))
+    _check_model(cfg)
     return _run_training(cfg)
 
 
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
-    from ..data import load_dataset
-    from ..train import FINETUNE_DEFAULTS, prepare_finetune
-    cfg = _train_config(args, defaults=FINETUNE_DEFAULTS)
+    from ..train import FINETUNE_DEFAULTS, load_data, prepare_finetune
+    cfg = _validated(_train_config(args, defaults=FINETUNE_DEFAULTS))
+    if cfg.model:
+        raise UsageError("--model: finetune takes its model from CHECKPOINT (--model-arg and --drop-path "
+                         "change its settings)")
+    if cfg.out is None:
+        cfg.out = str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}")
     if cfg.resume:
         model = None  # the checkpoint in --out has everything
     else:
-        info = load_dataset(cfg.dataset, root=cfg.data_dir, **cfg.dataset_args)
-        model = prepare_finetune(args.checkpoint, info.num_classes, args.image_size, args.resize_method)
-    if cfg.out is None:
-        cfg.out = str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}")
+        info = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
+        model = prepare_finetune(args.checkpoint, info.num_classes, args.image_size, args.resize_method,
+                                 **{"drop_path": cfg.drop_path, **cfg.model_args})
     return _run_training(cfg, model=model)
 
 
 def cmd_eval(args) -> int:
     """Accuracy, per-class accuracy and confusion matrix of a checkpoint on a dataset's test split."""
-    from ..data import Augment, DataLoader, load_dataset
+    from ..data import Augment, DataLoader
     from ..inference import check_fits, confusion_matrix, format_report, load_for_inference
-    from ..train import evaluate
+    from ..train import evaluate, load_data
+    dataset_args = _dataset_args(args.dataset_arg)
     model, info = load_for_inference(args.checkpoint, device=args.device)
-    ds = load_dataset(args.dataset, root=args.data_dir)
+    ds = load_data(args.dataset, args.data_dir, dataset_args)
     if args.limit:
         ds = ds.subset(None, args.limit)
     check_fits(model, ds)
@@ -89,14 +123,18 @@ def cmd_eval(args) -> int:
     print(f"{args.checkpoint} on {ds.name} test ({len(ds.test_images)} images), loss {result['loss']:.4f}")
     print(format_report(matrix, ds.classes))
     if args.json:
+        per_class = matrix.diagonal() / matrix.sum(axis=1).clip(min=1)
         Path(args.json).write_text(json.dumps({"accuracy": result["acc"], "loss": result["loss"],
-                                               "classes": list(ds.classes), "confusion": matrix.tolist()}))
+                                               "classes": list(ds.classes), "per_class_accuracy": per_class.tolist(),
+                                               "confusion": matrix.tolist()}))
     return 0
 
 
 def cmd_predict(args) -> int:
     """Top-5 classes with probabilities for image files."""
     from ..inference import load_for_inference, predict_files
+    if args.topk < 1:
+        raise UsageError(f"--topk must be >= 1, got {args.topk}")
     model, info = load_for_inference(args.checkpoint, device=args.device)
     for path, top in zip(args.images, predict_files(model, info, args.images, args.topk, args.device)):
         print(path)
@@ -126,6 +164,8 @@ def register(sub) -> None:
     p.add_argument("checkpoint")
     p.add_argument("--dataset", required=True, choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
+                   help="a dataset option, as in the [dataset] table of `train --config` (e.g. test_size=500)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch-size", type=int, default=500)
     p.add_argument("--limit", type=int, default=None, help="evaluate on the first N test images only")
@@ -140,9 +180,12 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_predict)
 
 
-def _add_train_flags(p) -> None:
-    """The flags `train` and `finetune` share; all default to None = "recipe/config value"."""
-    a = p.add_argument
+def _add_train_flags(p, skip=()) -> None:
+    """The flags `train` and `finetune` share; all default to None = "recipe/config value".
+    ``skip``: flags to leave out, by TrainConfig name (`pretrain` has no labels to smooth or mix)."""
+    def a(*names, **kw):
+        if names[0][2:].replace("-", "_") not in skip:
+            p.add_argument(*names, **kw)
     a("--config", help="TOML file with these settings (flags override it)")
     a("--dataset", choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
     a("--model", help="a named model (see `tinyvit models`); default: the preset for the dataset")

@@ -1,5 +1,6 @@
 """Named models: the paper's Table 1 (and ViT-Ti/S of DeiT), plus small presets for 32x32 and 28x28
-images, with parameter counts and FLOPs computed from the config alone (no arrays allocated)."""
+images, with parameter counts and FLOPs computed from the config alone (no arrays allocated).
+Names with a "+" are hybrids (a ResNet feature map as tokens, "r50+vit-b/16"): models/hybrid.py."""
 from __future__ import annotations
 
 import re
@@ -28,7 +29,11 @@ _NAME = re.compile(r"^vit-(ti|s|b|l|h|cifar|mnist)/(\d+)$")
 
 
 def config_for(name: str, **overrides) -> ViTConfig:
-    """The ViTConfig of a named variant, e.g. "vit-b/16", "vit-l/32", "vit-cifar/4", "vit-mnist/2"."""
+    """The ViTConfig of a named variant, e.g. "vit-b/16", "vit-l/32", "vit-cifar/4", "vit-mnist/2";
+    for a hybrid ("r50+vit-b/16") its HybridConfig."""
+    if "+" in name:
+        from . import hybrid
+        return hybrid.config_for(name, **overrides)
     m = _NAME.match(name.lower())
     if not m:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(known_names())} "
@@ -43,17 +48,24 @@ def config_for(name: str, **overrides) -> ViTConfig:
 
 
 def known_names():
+    from .hybrid import known_names as hybrid_names
     return ["vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-l/32", "vit-h/14",
-            "vit-cifar/4", "vit-cifar/2", "vit-mnist/4", "vit-mnist/2"]
+            "vit-cifar/4", "vit-cifar/2", "vit-mnist/4", "vit-mnist/2"] + hybrid_names()
 
 
 def create(name: str, **overrides) -> ViT:
     """Build a named model; keyword arguments override config fields (num_classes=10, ...)."""
+    if "+" in name:
+        from .hybrid import create as create_hybrid
+        return create_hybrid(name, **overrides)
     return ViT(config_for(name, **overrides))
 
 
 def count_parameters(cfg: ViTConfig) -> int:
-    """Number of parameters of ViT(cfg), computed from the config (matches the built model)."""
+    """Number of parameters of ViT(cfg), computed from the config (matches the built model).
+    A config with its own ``count_parameters`` method (HybridConfig: ResNet + ViT) is asked."""
+    if hasattr(cfg, "count_parameters"):
+        return cfg.count_parameters()
     d, c, p = cfg.dim, cfg.in_channels, cfg.patch_size
     n = cfg.num_patches
     total = (c * p * p + 1) * d                                     # patch embedding E and bias
@@ -78,7 +90,9 @@ def count_parameters(cfg: ViTConfig) -> int:
 
 def forward_flops(cfg: ViTConfig) -> int:
     """Multiply-add FLOPs (2 per MAC) of one image's forward pass: every matmul, attention included;
-    element-wise ops are ignored, as is usual."""
+    element-wise ops are ignored, as is usual. A config with its own ``forward_flops`` is asked."""
+    if hasattr(cfg, "forward_flops"):
+        return cfg.forward_flops()
     d, t = cfg.dim, cfg.num_patches + cfg.num_prefix_tokens
     flops = 2 * cfg.num_patches * cfg.in_channels * cfg.patch_size ** 2 * d   # patch embedding
     per_block = 2 * t * d * 3 * d          # qkv

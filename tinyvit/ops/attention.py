@@ -36,6 +36,10 @@ class MultiHeadAttention(Function):
         dS = A * (dA - sum(dA * A, last axis))          softmax backward
         dq = s dS k,  dk = s dS^T q
         dqkv = [dq | dk | dv],  dx = dqkv W_qkv^T,  dW_qkv = x^T dqkv,  db_qkv = sum dqkv
+
+    Layout: q, k, v are strided views into the (B, N, 3, H, dh) GEMM output, and the batched
+    matmuls write ctx and dq, dk, dv straight into the (B, N, ...) rows the next GEMM reads, so no
+    head split or merge is ever copied (NumPy's matmul hands such views to BLAS as they are).
     """
 
     def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
@@ -50,8 +54,7 @@ class MultiHeadAttention(Function):
         qkv = rows @ w_qkv                                # (B*N, 3D), Eq. 5 for all heads at once
         if b_qkv is not None:
             qkv += b_qkv
-        qkv = xp.ascontiguousarray(qkv.reshape(b, n, 3, h, dh).transpose(2, 0, 3, 1, 4))  # (3, B, H, N, dh)
-        q, k, v = qkv[0], qkv[1], qkv[2]                  # each (B, H, N, dh), contiguous
+        q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))     # each (B, H, N, dh), views
 
         a = q @ k.swapaxes(-1, -2)                        # (B, H, N, N) logits
         a *= scale
@@ -66,8 +69,9 @@ class MultiHeadAttention(Function):
             a_drop = a * mask
             a_drop *= keep_scale
 
-        ctx = a_drop @ v                                  # (B, H, N, dh), Eq. 7
-        merged = ctx.transpose(0, 2, 1, 3).reshape(b * n, d)  # heads side by side, (B*N, D)
+        merged = xp.empty((b, n, h, dh), dtype=x.dtype)   # heads side by side: (B*N, D) rows
+        xp.matmul(a_drop, v, out=merged.transpose(0, 2, 1, 3))   # ctx = A' v, Eq. 7
+        merged = merged.reshape(b * n, d)
         out = merged @ w_proj                             # Eq. 8
         if b_proj is not None:
             out += b_proj
@@ -81,11 +85,13 @@ class MultiHeadAttention(Function):
         rows, w_qkv, qkv, a, mask, keep_scale, merged, w_proj, scale = self.saved
         xp = get_array_module(a)
         need = self.needs_input_grad
-        _, b, h, n, dh = qkv.shape
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        b, h, n, _ = a.shape
+        d = qkv.shape[1] // 3
+        dh = d // h
+        q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))
         dw_proj = db_proj = None
         if gy is not None:
-            g2 = gy.reshape(b * n, h * dh)                # (B*N, D)
+            g2 = gy.reshape(b * n, d)                     # (B*N, D)
             if need[3]:
                 dw_proj = merged.T @ g2
             if need[4]:
@@ -93,11 +99,12 @@ class MultiHeadAttention(Function):
         if not (need[0] or need[1] or need[2]):
             return None, None, None, dw_proj, db_proj
 
-        dqkv = xp.empty_like(qkv)                         # (3, B, H, N, dh): dq, dk, dv
+        dqkv = xp.empty((b, n, 3, h, dh), dtype=qkv.dtype)   # the (B*N, 3D) rows of [dq | dk | dv]
+        dq, dk, dv = _heads(dqkv)
         if gy is not None:
-            dctx = (g2 @ w_proj.T).reshape(b, n, h, dh).transpose(0, 2, 1, 3)   # (B, H, N, dh)
+            dctx = _heads_of((g2 @ w_proj.T).reshape(b, n, h, dh))               # (B, H, N, dh), a view
             a_drop = a if mask is None else a * mask * keep_scale
-            xp.matmul(a_drop.swapaxes(-1, -2), dctx, out=dqkv[2])               # dv = A'^T dctx
+            xp.matmul(a_drop.swapaxes(-1, -2), dctx, out=dv)                    # dv = A'^T dctx
             da = dctx @ v.swapaxes(-1, -2)                                      # (B, H, N, N)
             if mask is not None:
                 da *= mask
@@ -105,21 +112,31 @@ class MultiHeadAttention(Function):
             if g_attn is not None:
                 da += g_attn
         else:                                             # only the attention map feeds the loss
-            dqkv[2] = 0
+            dv[...] = 0
             da = g_attn.copy()
 
         ds = da                                           # softmax backward, in place on da
-        ds -= (da * a).sum(axis=-1, keepdims=True)
+        ds -= xp.einsum("bhij,bhij->bhi", da, a)[..., None]   # sum(dA * A) over the last axis
         ds *= a
         ds *= scale
-        xp.matmul(ds, k, out=dqkv[0])                     # dq = s dS k
-        xp.matmul(ds.swapaxes(-1, -2), q, out=dqkv[1])    # dk = s dS^T q
+        xp.matmul(ds, k, out=dq)                          # dq = s dS k
+        xp.matmul(ds.swapaxes(-1, -2), q, out=dk)         # dk = s dS^T q
 
-        dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(b * n, 3 * h * dh)   # back to (B*N, 3D) columns
-        dx = (dqkv @ w_qkv.T).reshape(b, n, h * dh) if need[0] else None
+        dqkv = dqkv.reshape(b * n, 3 * d)                 # back to (B*N, 3D) columns q | k | v
+        dx = (dqkv @ w_qkv.T).reshape(b, n, d) if need[0] else None
         dw_qkv = rows.T @ dqkv if need[1] else None
         db_qkv = dqkv.sum(axis=0) if need[2] else None
         return dx, dw_qkv, db_qkv, dw_proj, db_proj
+
+
+def _heads_of(t):
+    """(B, N, H, dh) -> the view (B, H, N, dh): one (N, dh) matrix per sample and head."""
+    return t.transpose(0, 2, 1, 3)
+
+
+def _heads(qkv):
+    """(B, N, 3, H, dh) -> views q, k, v, each (B, H, N, dh)."""
+    return tuple(_heads_of(qkv[:, :, i]) for i in range(3))
 
 
 # ---------------------------------------------------------------- the function users call

@@ -18,23 +18,32 @@ from ..backend import get_array_module
 from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
+def _row_dot(a, b):
+    """sum(a * b, axis=-1) of two (R, n) arrays, kept as (R, 1), without the (R, n) temporary."""
+    return get_array_module(a).einsum("ij,ij->i", a, b)[:, None]
+
+
 def _standardize_rows(x2, eps):
     """x2: (R, n) -> x_hat (R, n), inv_std (R, 1): each row to zero mean, unit (biased) variance."""
     xp = get_array_module(x2)
     x_hat = x2 - x2.mean(axis=-1, keepdims=True)             # a fresh array we may overwrite
-    inv_std = (x_hat * x_hat).mean(axis=-1, keepdims=True)    # var
+    inv_std = _row_dot(x_hat, x_hat)
+    inv_std *= 1.0 / x2.shape[-1]                             # var
     inv_std += eps                                            # eps a Python float: dtype stays
     inv_std = 1.0 / xp.sqrt(inv_std, out=inv_std)
     x_hat *= inv_std
     return x_hat, inv_std
 
 
-def _standardize_rows_backward(g, x_hat, inv_std):
-    """dL/dx for x_hat = standardize_rows(x), given g = dL/dx_hat; all (R, n) but inv_std (R, 1)."""
-    dx = g - g.mean(axis=-1, keepdims=True)
-    dx -= x_hat * (g * x_hat).mean(axis=-1, keepdims=True)
-    dx *= inv_std
-    return dx
+def _standardize_rows_backward_(g, x_hat, inv_std):
+    """dL/dx for x_hat = standardize_rows(x), given g = dL/dx_hat; all (R, n) but inv_std (R, 1).
+    Overwrites g with the result (pass a fresh array)."""
+    mean_gx = _row_dot(g, x_hat)
+    mean_gx *= 1.0 / g.shape[-1]                              # mean(g * x_hat) per row
+    g -= g.mean(axis=-1, keepdims=True)
+    g -= x_hat * mean_gx
+    g *= inv_std
+    return g
 
 
 class LayerNorm(Function):
@@ -59,10 +68,10 @@ class LayerNorm(Function):
         g2 = gy.reshape(x_hat.shape)                                           # (R, D)
         dx = dgamma = dbeta = None
         if need_x:
-            g = g2 * gamma if gamma is not None else g2
-            dx = _standardize_rows_backward(g, x_hat, inv_std).reshape(gy.shape)
+            g = g2 * gamma if gamma is not None else g2.copy()
+            dx = _standardize_rows_backward_(g, x_hat, inv_std).reshape(gy.shape)
         if need_gamma:
-            dgamma = (g2 * x_hat).sum(axis=0)
+            dgamma = get_array_module(g2).einsum("ij,ij->j", g2, x_hat)           # sum over rows of gy x_hat
         if need_beta:
             dbeta = g2.sum(axis=0)
         return dx, dgamma, dbeta
@@ -95,9 +104,9 @@ class GroupNorm(Function):
         axes = (0,) + tuple(range(2, gy.ndim))              # every axis but the channel
         dx = dgamma = dbeta = None
         if need_x:
-            g = gy * gamma.reshape(channel) if gamma is not None else gy
+            g = gy * gamma.reshape(channel) if gamma is not None else gy.copy()
             rows = inv_std.shape[0]
-            dx = _standardize_rows_backward(g.reshape(rows, -1), x_hat.reshape(rows, -1), inv_std)
+            dx = _standardize_rows_backward_(g.reshape(rows, -1), x_hat.reshape(rows, -1), inv_std)
             dx = dx.reshape(gy.shape)
         if need_gamma:
             dgamma = (gy * x_hat).sum(axis=axes)
@@ -121,7 +130,7 @@ class WeightStandardize(Function):
 
     def backward(self, gy):
         w_hat, inv_std = self.saved
-        return _standardize_rows_backward(gy.reshape(w_hat.shape), w_hat, inv_std).reshape(gy.shape)
+        return _standardize_rows_backward_(gy.reshape(w_hat.shape).copy(), w_hat, inv_std).reshape(gy.shape)
 
 
 # ---------------------------------------------------------------- the functions users call
