@@ -42,7 +42,16 @@ def model_args(pairs) -> dict:
 
 def read_toml(path) -> dict:
     """A TOML run description: top-level keys are `tinyvit train` flags (dashes or underscores),
-    an optional [model] table holds ViTConfig overrides and [dataset] the dataset's options."""
+    an optional [model] table holds ViTConfig overrides and [dataset] the dataset's options; in a
+    table, `name = ...` names the model or dataset.
+
+        epochs = 50
+        [model]
+        name = "vit-cifar/4"
+        depth = 8
+        [dataset]
+        name = "cifar100"
+    """
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -58,16 +67,17 @@ def read_toml(path) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
     out = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
-    if "model" in data and isinstance(data["model"], dict):
-        out["model_args"] = dict(data["model"])
-    if "dataset" in data and isinstance(data["dataset"], dict):
-        out["dataset_args"] = dict(data["dataset"])
+    # TOML cannot hold both `model = "..."` and a [model] table: the table's `name` gives the name.
+    for table, args in (("model", "model_args"), ("dataset", "dataset_args")):
+        if isinstance(data.get(table), dict):
+            options = dict(data[table])
+            if "name" in options:
+                out[table] = options.pop("name")
+            out[args] = options
     unknown = [k for k, v in data.items() if isinstance(v, dict) and k not in ("model", "dataset")]
     if unknown:
         raise UsageError(f"--config {path}: unknown tables {unknown} (known: [model], [dataset])")
     return out
-
-
 
 
 # One module per group of subcommands, in the order `tinyvit --help` lists them.
