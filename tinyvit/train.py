@@ -412,8 +412,9 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
                 f.write(json.dumps(row) + "\n")
             history.append(row)
             state.update(epoch=epoch, partial=None, trained=None)
-            if test["acc"] > state["best_acc"]:
-                state["best_acc"] = test["acc"]
+            # best = highest test accuracy, ties broken by the lower test loss
+            if (test["acc"], -test["loss"]) > (state["best_acc"], -state.get("best_loss", math.inf)):
+                state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
                 io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
             checkpoint()
             _plot(history, out / "curves.png")

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, shape_of
+from .common import blockwise, require_float, shape_of
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -34,7 +34,6 @@ _D = (1.0, 1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e0
       1.62138957456669019e03, 3.29079923573345963e03, 4.36261909014324716e03,
       3.43936767414372164e03, 1.23033935480374942e03)
 _SMALL_SQ = 0.46875 ** 2   # the boundary between the two ranges, squared
-_ERF_BLOCK = 1 << 14    # elements per block: the dozen temporaries of one block stay in cache
 
 # float32: erf(x) = x alpha(x^2) / beta(x^2) on [-4, 4] (Eigen's generic_fast_erf_float, also XLA's);
 # outside, erf is +-1 to float32 precision. Absolute error below 5e-7 when evaluated in float32.
@@ -84,21 +83,6 @@ def _erf_block_float32(x):
     return r
 
 
-def blockwise(fn, *arrays):
-    """fn(*blocks) for consecutive blocks of _ERF_BLOCK elements of the flattened arrays (all of one
-    shape), put together in the arrays' shape. An element-wise formula of a dozen steps then makes
-    its temporaries one block at a time, in the CPU cache, instead of streaming a dozen whole-array
-    temporaries through memory (a Python loop over blocks, each block vectorized: about 3x faster).
-    NumPy only: on CuPy fn runs once on the whole arrays (one GPU kernel per step either way)."""
-    if get_array_module(*arrays) is not np:
-        return fn(*arrays)
-    flats = [a.reshape(-1) for a in arrays]
-    out = np.empty_like(flats[0])
-    for start in range(0, out.size, _ERF_BLOCK):
-        out[start:start + _ERF_BLOCK] = fn(*(f[start:start + _ERF_BLOCK] for f in flats))
-    return out.reshape(arrays[0].shape)
-
-
 def _erf_kernel(x):
     """erf of a block (NumPy: Cody in float64, Eigen's rational in float32) or of a CuPy array."""
     if get_array_module(x) is not np:
@@ -117,7 +101,9 @@ def erf(x):
     Relative error below 1e-15 in float64 over the whole real line, absolute error below 5e-7
     (a few float32 units) in float32. NumPy has no erf and SciPy is not a dependency, so on NumPy
     this evaluates W. J. Cody's rational Chebyshev approximations (float64) or Eigen's float32
-    rational in blocks (see ``blockwise``); on CuPy it is cupyx.scipy.special.erf, one GPU kernel.
+    rational in cache-sized blocks (ops.common.blockwise: a Python loop over blocks, each block
+    vectorized, about 3x faster than whole-array temporaries); on CuPy it is
+    cupyx.scipy.special.erf, one GPU kernel.
     """
     if get_array_module(x) is np:
         x = np.asarray(x)
@@ -141,7 +127,7 @@ class GELU(Function):
       y = x Phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2  (the standard normal CDF)
       dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
 
-    Both passes run block by block (``blockwise``), so their temporaries stay in the CPU cache.
+    Both passes run block by block (ops.common.blockwise), so their temporaries stay in the CPU cache.
     """
 
     def forward(self, x):

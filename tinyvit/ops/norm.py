@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, require_ndim, require_same_dtype, shape_of
+from .common import require_float, require_ndim, require_same_dtype, row_blocks, shape_of
 
 
 def _row_dot(a, b):
@@ -55,26 +55,38 @@ class LayerNorm(Function):
     """
 
     def forward(self, x, gamma, beta, eps):
-        x_hat, inv_std = _standardize_rows(x.reshape(-1, x.shape[-1]), eps)   # (R, D), (R, 1)
-        y = x_hat * gamma if gamma is not None else x_hat.copy()
-        if beta is not None:
-            y += beta
+        xp = get_array_module(x)
+        x2 = x.reshape(-1, x.shape[-1])                                        # (R, D)
+        x_hat, y = xp.empty_like(x2), xp.empty_like(x2)
+        inv_std = xp.empty((x2.shape[0], 1), dtype=x2.dtype)                  # (R, 1)
+        for r in row_blocks(x2):                                               # cache-sized blocks of rows
+            x_hat[r], inv_std[r] = _standardize_rows(x2[r], eps)
+            if gamma is not None:
+                xp.multiply(x_hat[r], gamma, out=y[r])
+            else:
+                y[r] = x_hat[r]
+            if beta is not None:
+                y[r] += beta
         self.save(x_hat, inv_std, gamma)
         return y.reshape(x.shape)
 
     def backward(self, gy):
         x_hat, inv_std, gamma = self.saved
+        xp = get_array_module(x_hat)
         need_x, need_gamma, need_beta = self.needs_input_grad[:3]
         g2 = gy.reshape(x_hat.shape)                                           # (R, D)
-        dx = dgamma = dbeta = None
-        if need_x:
-            g = g2 * gamma if gamma is not None else g2.copy()
-            dx = _standardize_rows_backward_(g, x_hat, inv_std).reshape(gy.shape)
-        if need_gamma:
-            dgamma = get_array_module(g2).einsum("ij,ij->j", g2, x_hat)           # sum over rows of gy x_hat
-        if need_beta:
-            dbeta = g2.sum(axis=0)
-        return dx, dgamma, dbeta
+        dx = xp.empty_like(x_hat) if need_x else None
+        dgamma = xp.zeros_like(x_hat[0]) if need_gamma else None
+        dbeta = xp.zeros_like(x_hat[0]) if need_beta else None
+        for r in row_blocks(x_hat):                                            # cache-sized blocks of rows
+            if need_x:
+                g = g2[r] * gamma if gamma is not None else g2[r].copy()
+                dx[r] = _standardize_rows_backward_(g, x_hat[r], inv_std[r])
+            if need_gamma:
+                dgamma += xp.einsum("ij,ij->j", g2[r], x_hat[r])               # sum over rows of gy x_hat
+            if need_beta:
+                dbeta += g2[r].sum(axis=0)
+        return (dx.reshape(gy.shape) if need_x else None), dgamma, dbeta
 
 
 class GroupNorm(Function):
