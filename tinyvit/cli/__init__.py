@@ -30,14 +30,20 @@ def parse_value(text: str):
     return text
 
 
-def model_args(pairs) -> dict:
+def key_values(pairs, flag: str, example: str) -> dict:
+    """Repeated KEY=VALUE flags -> {key: parsed value} (dashes in keys become underscores)."""
     out = {}
     for pair in pairs or []:
         if "=" not in pair:
-            raise UsageError(f"--model-arg needs KEY=VALUE (e.g. dim=64), got {pair!r}")
+            raise UsageError(f"{flag} needs KEY=VALUE (e.g. {example}), got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip().replace("-", "_")] = parse_value(value.strip())
     return out
+
+
+def model_args(pairs) -> dict:
+    """--model-arg KEY=VALUE pairs: ViTConfig overrides."""
+    return key_values(pairs, "--model-arg", "dim=64")
 
 
 def read_toml(path) -> dict:

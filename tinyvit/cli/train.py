@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import UsageError, model_args, parse_value, read_toml
+from . import UsageError, key_values, model_args, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -57,13 +57,8 @@ def _check_model(cfg) -> None:
 
 
 def _dataset_args(pairs) -> dict:
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise UsageError(f"--dataset-arg needs KEY=VALUE (e.g. train_size=1000), got {pair!r}")
-        key, value = pair.split("=", 1)
-        out[key.strip().replace("-", "_")] = parse_value(value.strip())
-    return out
+    """--dataset-arg KEY=VALUE pairs: options of the dataset loader."""
+    return key_values(pairs, "--dataset-arg", "train_size=1000")
 
 
 def _run_training(cfg, model=None, objective=None) -> int:
