@@ -284,18 +284,20 @@ def _json_default(value):
 
 
 def _plot(history, path) -> None:
-    """loss and accuracy curves -> PNG (skipped, with a note, when matplotlib is missing)."""
+    """loss and accuracy curves -> PNG (skipped when matplotlib is missing). Drawn on a bare Figure
+    with the Agg canvas, so a notebook's pyplot backend is left alone."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return
     epochs = [h["epoch"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(epochs, [h["train_loss"] for h in history], label="train")
     ax1.plot(epochs, [h["test_loss"] for h in history], label="test")
-    ax1.set(xlabel="epoch", ylabel="loss", title="cross-entropy")
+    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
     ax2.plot(epochs, [100 * h["train_acc"] for h in history], label="train")
     ax2.plot(epochs, [100 * h["test_acc"] for h in history], label="test")
     ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
@@ -305,7 +307,6 @@ def _plot(history, path) -> None:
     fig.tight_layout()
     tmp = f"{path}.tmp.png"
     fig.savefig(tmp, dpi=100)
-    plt.close(fig)
     os.replace(tmp, path)
 
 
