@@ -11,7 +11,8 @@ the other in this process. Per side the report gives:
     peak_memory_bytes  CPU: the process's peak resident memory (Linux VmHWM, reset first through
                        /proc/self/clear_refs) from just before the model is built to the last step,
                        minus the resident memory at that start, i.e. parameters, optimizer state,
-                       activations, gradients and whatever the allocator keeps. Where the peak
+                       activations, gradients and whatever the allocator keeps (PyTorch's includes
+                       its runtime's own allocations on first use). Where the peak
                        cannot be reset, the growth of getrusage's ru_maxrss (a lower bound for the
                        second side). GPU: CuPy's default memory pool total_bytes() after the steps,
                        the pool emptied before (the pool keeps every block it ever held, so this is
@@ -21,7 +22,9 @@ the other in this process. Per side the report gives:
                        when given, else a measured square matmul of the benchmark's dtype.
 
 ``ratio`` is tinyvit's step time over PyTorch's (below 1: tinyvit is faster). Timings on a shared
-machine are noisy: repeat the run and compare medians.
+machine are noisy and depend on what else runs: ``rounds`` > 1 alternates the two sides, and the
+report keeps the load average and each side's CPU time per step (CPU time below threads x step
+time means the process waited for the machine).
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import ctypes
 import datetime
 import os
 import platform
-import resource
 import sys
 import time
 from dataclasses import asdict
@@ -39,10 +41,14 @@ import numpy as np
 
 from . import backend, optim
 from . import functional as F
-from .models import config_for, count_parameters, training_flops
-from .models.vit import ViT
+from .models import config_for, count_parameters, create, training_flops
 
 DTYPES = ("float32", "float64")
+# Environment variables that change how the BLAS and OpenMP threads behave; the report lists those set.
+# OPENBLAS_THREAD_TIMEOUT=4 makes OpenBLAS's idle threads sleep at once instead of spinning ~0.1 s after
+# each call, which frees the cores for tinyvit's own element-wise threads (read when NumPy loads).
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+              "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
 COMPARE = ("torch",)
 # The optimizer of both sides (one group, the same numbers).
 LR, WEIGHT_DECAY = 1e-3, 0.05
@@ -156,6 +162,7 @@ class PeakHostMemory:
 
     @staticmethod
     def _maxrss():
+        import resource                        # Unix only
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024    # macOS reports bytes, Linux KiB
 
@@ -186,25 +193,24 @@ class PeakCupyMemory:
 # ====================================================================== timing and the peak
 
 
-def time_steps(step, sync, warmup: int, steps: int) -> list:
-    """Run ``warmup`` untimed then ``steps`` timed calls of step(); each timed call ends with sync()
-    (a GPU finishes its queued work). Returns the timed wall times in seconds."""
-    for _ in range(warmup):
-        step()
-        sync()
-    times = []
+def time_steps(step, sync, steps: int) -> tuple:
+    """Run ``steps`` calls of step(), each followed by sync() (a GPU finishes its queued work).
+    Returns (wall seconds, process CPU seconds) of each call: CPU time below threads x wall time
+    means the process waited, for the machine or for itself."""
+    walls, cpus = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         sync()
-        times.append(time.perf_counter() - t0)
-    return times
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return walls, cpus
 
 
 @contextlib.contextmanager
 def cupy_tf32(enabled: bool):
     """CuPy's float32 matmuls with TF32 tensor cores (enabled) or in full float32, restored after.
-    (Untested here: needs a CUDA device of compute capability 8.0 or newer for TF32.)"""
+    (Written for CUDA devices of compute capability 8.0 or newer; not exercised on a CPU-only machine.)"""
     from cupy._core import _routines_linalg as linalg
     previous = linalg.get_compute_type(np.float32)
     tf32 = getattr(linalg, "COMPUTE_TYPE_TF32", 7)
@@ -214,6 +220,20 @@ def cupy_tf32(enabled: bool):
         yield
     finally:
         linalg.set_compute_type(np.float32, previous)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int):
+    """tinyvit on n CPU threads inside the block: NumPy's BLAS (blas_threads) and the element-wise
+    blocks of the ops (tinyvit.ops.common.set_num_threads). Yields the BLAS thread count in effect."""
+    from .ops import common
+    previous = common._num_threads
+    common.set_num_threads(n)
+    try:
+        with blas_threads(n) as in_effect:
+            yield in_effect
+    finally:
+        common.set_num_threads(previous)
 
 
 def measure_matmul_peak(device: str, dtype, repeats: int = 5) -> float:
@@ -247,11 +267,12 @@ def _sync(xp):
 # ====================================================================== the two sides
 
 
-def build_model(cfg, seed: int) -> ViT:
-    """ViT(cfg) on the CPU in float32 from ``seed`` (both sides start from these weights)."""
+def build_model(model: str, model_args: dict | None, seed: int):
+    """The named model (tinyvit.models.create) on the CPU in float32, initialised from ``seed``:
+    both sides start from these weights."""
     backend.manual_seed(seed)
     with backend.default_dtype(np.float32):
-        return ViT(cfg)
+        return create(model, **(model_args or {}))
 
 
 def synthetic_batch(cfg, batch_size: int, dtype, seed: int):
@@ -261,36 +282,41 @@ def synthetic_batch(cfg, batch_size: int, dtype, seed: int):
     return images, rng.integers(0, max(cfg.num_classes, 1), batch_size)
 
 
-def _side_report(times, batch_size, flops_per_image, peak_flops, memory, losses) -> dict:
-    step = float(np.median(times))
-    images_per_s = batch_size / step
-    tflops = flops_per_image * images_per_s / 1e12
-    return {"step_time_s": step, "step_times_s": [float(t) for t in times], "images_per_s": images_per_s,
-            "peak_memory_bytes": int(memory.bytes), "memory_method": memory.method, "tflops": tflops,
-            "mfu": tflops * 1e12 / peak_flops if peak_flops else None, "losses": losses}
-
-
-def bench_tinyvit(cfg, images, labels, *, device="cpu", dtype="float32", warmup=2, steps=10, seed=0) -> tuple:
-    """Time tinyvit's training step; returns (times, memory, losses)."""
+def tinyvit_step(model: str, model_args, images, labels, *, device="cpu", dtype="float32", seed=0) -> tuple:
+    """Build tinyvit's side and return (step, sync, losses): step() is one training step, losses
+    collects each step's loss (a device array, read after timing)."""
     on_gpu = device != "cpu"
     xp = backend.cupy_module() if on_gpu else np
-    sync = _sync(xp)
+    net = build_model(model, model_args, seed).to(device=device, dtype=dtype).train()
+    opt = optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    x, y = backend.to_device(images, device), backend.to_device(labels, device)
     losses = []
-    with (PeakCupyMemory() if on_gpu else PeakHostMemory()) as memory:
-        model = build_model(cfg, seed).to(device=device, dtype=dtype).train()
-        opt = optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        x, y = backend.to_device(images, device), backend.to_device(labels, device)
 
-        def step():
-            loss = F.cross_entropy(model(x), y)           # forward and loss
-            opt.zero_grad()
-            loss.backward()                                 # backward
-            opt.step()                                      # AdamW update
-            losses.append(loss.data)
+    def step():
+        loss = F.cross_entropy(net(x), y)               # forward and loss
+        opt.zero_grad()
+        loss.backward()                                 # backward
+        opt.step()                                      # AdamW update
+        losses.append(loss.data)
 
-        times = time_steps(step, sync, warmup, steps)
-        sync()
-    return times, memory, [float(v) for v in losses]
+    return step, _sync(xp), losses
+
+
+def _side_report(walls, cpus, batch_size, flops_per_image, peak_flops, memory, losses) -> dict:
+    step = float(np.median(walls))
+    images_per_s = batch_size / step
+    tflops = flops_per_image * images_per_s / 1e12
+    return {"step_time_s": step, "step_times_s": [float(t) for t in walls],
+            "cpu_time_s": float(np.median(cpus)), "images_per_s": images_per_s,
+            "peak_memory_bytes": int(memory.bytes), "memory_method": memory.method, "tflops": tflops,
+            "mfu": tflops * 1e12 / peak_flops if peak_flops else None, "losses": [float(v) for v in losses]}
+
+
+def _loadavg():
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 # ====================================================================== the benchmark
@@ -298,21 +324,30 @@ def bench_tinyvit(cfg, images, labels, *, device="cpu", dtype="float32", warmup=
 
 def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str = "cpu",
                   dtype: str = "float32", tf32: bool = False, threads: int | None = None, warmup: int = 2,
-                  steps: int = 10, compare: str | None = None, torch_attention: str = "explicit",
+                  steps: int = 10, rounds: int = 1, compare: str | None = None, torch_attention: str = "explicit",
                   peak_tflops: float | None = None, model_args: dict | None = None, seed: int = 0) -> dict:
     """Benchmark one training step of ``model`` (a variant name, with ViTConfig overrides in
-    model_args) and return the report (a JSON-ready dict; see the module docstring)."""
+    model_args) and return the report (a JSON-ready dict; see the module docstring).
+
+    Each side is built, runs ``warmup`` untimed steps and ``steps`` timed ones (peak memory is
+    measured over all that); with rounds > 1 both sides then run ``steps`` more timed steps, in
+    turn, rounds - 1 more times, so that a change in the machine's load hits both sides alike.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if compare not in (None,) + COMPARE:
         raise ValueError(f"compare must be one of {COMPARE} or None, got {compare!r}")
-    if batch_size < 1 or steps < 1 or warmup < 0:
-        raise ValueError(f"need batch_size >= 1, steps >= 1, warmup >= 0; got {batch_size}, {steps}, {warmup}")
+    if batch_size < 1 or steps < 1 or warmup < 0 or rounds < 1:
+        raise ValueError(f"need batch_size >= 1, steps >= 1, warmup >= 0, rounds >= 1; got {batch_size}, {steps}, "
+                         f"{warmup}, {rounds}")
     device = backend.normalize_device(device)
     on_gpu = device != "cpu"
     if tf32 and (not on_gpu or dtype != "float32"):
         raise ValueError("tf32 applies to float32 matmuls on a CUDA device only")
-    threads = int(threads) if threads else default_threads()
+    if not threads:
+        from .ops.common import get_num_threads
+        threads = get_num_threads()
+    threads = int(threads)
     cfg = config_for(model, **(model_args or {}))
     flops_per_image = training_flops(cfg)
     images, labels = synthetic_batch(cfg, batch_size, dtype, seed)
@@ -320,9 +355,10 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
     report = {
         "model": model, "config": asdict(cfg), "parameters": count_parameters(cfg), "batch_size": batch_size,
         "device": device, "dtype": dtype, "tf32": bool(tf32), "threads": threads, "warmup": warmup,
-        "steps": steps, "date": datetime.date.today().isoformat(),
+        "steps": steps, "rounds": rounds, "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu_name(), "cpu_threads_available": default_threads(), "python": platform.python_version(),
-                    "numpy": np.__version__, "blas": blas_info()},
+                    "numpy": np.__version__, "blas": blas_info(), "loadavg_before": _loadavg(),
+                    "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}},
         "train_flops_per_image": flops_per_image,
     }
     if on_gpu:
@@ -330,25 +366,45 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
         report["machine"]["gpu"] = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
         report["machine"]["cupy"] = cp.__version__
 
-    gpu_precision = cupy_tf32(tf32) if on_gpu else contextlib.nullcontext()
-    with blas_threads(threads) as blas_in_effect, gpu_precision:
-        report["blas_threads"] = blas_in_effect
+    sides = {}                               # name -> [step, sync, losses, walls, cpus, memory]
+    with contextlib.ExitStack() as settings:
+        report["blas_threads"] = settings.enter_context(cpu_threads(threads))
+        if on_gpu:
+            settings.enter_context(cupy_tf32(tf32))
         if peak_tflops:
             peak_flops, report["peak_source"] = peak_tflops * 1e12, "given"
         else:
             peak_flops = measure_matmul_peak(device, dtype)
             report["peak_source"] = f"measured: best square {dtype} matmul"
         report["peak_tflops"] = peak_flops / 1e12
-        times, memory, losses = bench_tinyvit(cfg, images, labels, device=device, dtype=dtype, warmup=warmup,
-                                              steps=steps, seed=seed)
-    report["tinyvit"] = _side_report(times, batch_size, flops_per_image, peak_flops, memory, losses)
 
-    if compare == "torch":
-        from . import bench_torch
-        times, memory, losses, info = bench_torch.bench_torch(
-            cfg, images, labels, device=device, dtype=dtype, tf32=tf32, threads=threads, warmup=warmup,
-            steps=steps, seed=seed, attention=torch_attention, lr=LR, weight_decay=WEIGHT_DECAY)
-        report["torch"] = {**_side_report(times, batch_size, flops_per_image, peak_flops, memory, losses), **info}
+        with (PeakCupyMemory() if on_gpu else PeakHostMemory()) as memory:
+            step, sync, losses = tinyvit_step(model, model_args, images, labels, device=device, dtype=dtype,
+                                              seed=seed)
+            time_steps(step, sync, warmup)
+            sides["tinyvit"] = [step, sync, losses, *time_steps(step, sync, steps), memory]
+        if compare == "torch":
+            from . import bench_torch
+            settings.enter_context(bench_torch.torch_settings(threads, tf32))
+            weights = build_model(model, model_args, seed)
+            with (bench_torch.PeakTorchCuda(device) if on_gpu else PeakHostMemory()) as memory:
+                step, sync, losses, report["torch_setup"] = bench_torch.torch_step(
+                    weights, images, labels, device=device, dtype=dtype, seed=seed, attention=torch_attention,
+                    lr=LR, weight_decay=WEIGHT_DECAY)
+                time_steps(step, sync, warmup)
+                sides["torch"] = [step, sync, losses, *time_steps(step, sync, steps), memory]
+            del weights
+        for _ in range(rounds - 1):
+            for side in sides.values():
+                walls, cpus = time_steps(side[0], side[1], steps)
+                side[3] += walls
+                side[4] += cpus
+    report["machine"]["loadavg_after"] = _loadavg()
+
+    for name, (_, _, losses, walls, cpus, memory) in sides.items():
+        report[name] = _side_report(walls, cpus, batch_size, flops_per_image, peak_flops, memory, losses)
+    if "torch" in sides:
+        report["torch"].update(report.pop("torch_setup"))
         report["ratio"] = report["tinyvit"]["step_time_s"] / report["torch"]["step_time_s"]
     return report
 
@@ -361,22 +417,27 @@ def format_report(report: dict) -> str:
     """The report as the few lines `tinyvit bench` prints."""
     m = report["machine"]
     precision = report["dtype"] + (", TF32 " + ("on" if report["tf32"] else "off") if report["device"] != "cpu" else "")
+    rounds = f" x {report['rounds']} rounds" if report["rounds"] > 1 else ""
+    load = ""
+    if m.get("loadavg_before") is not None:
+        load = f"; load average {m['loadavg_before']:.2f} before, {m['loadavg_after']:.2f} after"
     lines = [
         f"tinyvit bench: {report['model']} ({report['parameters'] / 1e6:.2f}M parameters), batch "
         f"{report['batch_size']}, {report['device']} {precision}, {report['threads']} threads "
-        f"(BLAS: {report['blas_threads']}), {report['warmup']} warmup + {report['steps']} timed steps",
+        f"(BLAS: {report['blas_threads']}), {report['warmup']} warmup + {report['steps']} timed steps{rounds}",
         f"machine: {m.get('gpu') or m['cpu']}; numpy {m['numpy']} ({m['blas']})"
-        + (f"; torch {report['torch']['torch_version']}" if "torch" in report else ""),
+        + (f"; torch {report['torch']['torch_version']}" if "torch" in report else "") + load
+        + "".join(f"; {k}={v}" for k, v in m.get("env", {}).items()),
         f"training FLOPs per image {report['train_flops_per_image'] / 1e9:.3f} G; peak "
         f"{report['peak_tflops']:.3f} TFLOP/s ({report['peak_source']})",
-        f"{'':<10}{'step (median)':>15}{'images/s':>11}{'peak memory':>14}{'TFLOP/s':>10}{'MFU':>8}",
+        f"{'':<9}{'step (median)':>14}{'CPU time':>10}{'images/s':>10}{'peak memory':>13}{'TFLOP/s':>9}{'MFU':>7}",
     ]
     for side in ("tinyvit", "torch"):
         if side in report:
             r = report[side]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-            lines.append(f"{side:<10}{r['step_time_s']:>13.4f} s{r['images_per_s']:>11.1f}"
-                         f"{_mib(r['peak_memory_bytes']):>14}{r['tflops']:>10.3f}{mfu:>8}")
+            lines.append(f"{side:<9}{r['step_time_s']:>12.3f} s{r['cpu_time_s']:>8.2f} s{r['images_per_s']:>10.1f}"
+                         f"{_mib(r['peak_memory_bytes']):>13}{r['tflops']:>9.3f}{mfu:>7}")
     if "ratio" in report:
         lines.append(f"ratio (tinyvit step time / torch step time): {report['ratio']:.2f}x"
                      f"  (torch attention: {report['torch']['attention']})")

@@ -12,6 +12,7 @@ torch.nn.functional.scaled_dot_product_attention (timm's default on PyTorch 2, a
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -165,56 +166,56 @@ def load_tinyvit_weights(torch_model: TorchViT, model) -> None:
     torch_model.load_state_dict(state, strict=True)
 
 
-def bench_torch(cfg, images, labels, *, device="cpu", dtype="float32", tf32=False, threads=1, warmup=2, steps=10,
-                seed=0, attention="explicit", lr=1e-3, weight_decay=0.05):
-    """Time PyTorch's training step on the model tinyvit.bench.build_model(cfg, seed) starts from:
-    forward, F.cross_entropy, backward, torch.optim.AdamW (its default implementation).
-    Returns (times, memory, losses, info) like tinyvit.bench.bench_tinyvit, info naming the setup."""
-    from .bench import PeakHostMemory, build_model, time_steps
-
-    on_gpu = device != "cpu"
-    tdevice = torch.device("cuda", int(device.split(":")[1])) if on_gpu else torch.device("cpu")
-    tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+@contextlib.contextmanager
+def torch_settings(threads: int, tf32: bool):
+    """PyTorch on ``threads`` CPU threads and with TF32 matmuls/convolutions on or off inside the
+    block (the settings tinyvit's side runs with), restored after."""
     saved = (torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.set_num_threads(threads)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
-    weights = build_model(cfg, seed)                     # tinyvit's initial weights, on the host
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    losses = []
     try:
-        memory = _PeakTorchCuda(tdevice) if on_gpu else PeakHostMemory()
-        with memory:
-            torch.manual_seed(seed)
-            model = TorchViT(cfg, attention=attention)
-            load_tinyvit_weights(model, weights)
-            model = model.to(device=tdevice, dtype=tdtype).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-            x = torch.from_numpy(images).to(tdevice)
-            y = torch.from_numpy(labels).to(tdevice)
-
-            def step():
-                loss = F.cross_entropy(model(x), y)       # forward and loss
-                opt.zero_grad()
-                loss.backward()                             # backward
-                opt.step()                                  # AdamW update
-                losses.append(loss.detach())
-
-            times = time_steps(step, sync, warmup, steps)
-            sync()
+        yield
     finally:
         torch.set_num_threads(saved[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
-    info = {"torch_version": torch.__version__, "attention": attention, "torch_threads": threads,
-            "tf32": bool(tf32)}
-    return times, memory, [float(v) for v in losses], info
 
 
-class _PeakTorchCuda:
-    """torch.cuda.max_memory_reserved() over a ``with`` block (the caching allocator's high-water mark)."""
+def torch_step(weights, images, labels, *, device="cpu", dtype="float32", seed=0, attention="explicit", lr=1e-3,
+               weight_decay=0.05):
+    """Build PyTorch's side from the tinyvit ViT ``weights`` and return (step, sync, losses, info):
+    step() is forward, F.cross_entropy, backward, torch.optim.AdamW (its default implementation)."""
+    if type(weights).__name__ != "ViT":
+        raise ValueError(f"--compare torch supports the plain ViT variants, not {type(weights).__name__}")
+    on_gpu = device != "cpu"
+    tdevice = torch.device("cuda", int(device.split(":")[1])) if on_gpu else torch.device("cpu")
+    tdtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    torch.manual_seed(seed)
+    model = TorchViT(weights.config, attention=attention)
+    load_tinyvit_weights(model, weights)
+    model = model.to(device=tdevice, dtype=tdtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    x, y = torch.from_numpy(images).to(tdevice), torch.from_numpy(labels).to(tdevice)
+    losses = []
+
+    def step():
+        loss = F.cross_entropy(model(x), y)               # forward and loss
+        opt.zero_grad()
+        loss.backward()                                     # backward
+        opt.step()                                          # AdamW update
+        losses.append(loss.detach())
+
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    info = {"torch_version": torch.__version__, "attention": attention, "torch_threads": torch.get_num_threads()}
+    return step, sync, losses, info
+
+
+class PeakTorchCuda:
+    """torch.cuda.max_memory_reserved() over a ``with`` block (the caching allocator's high-water mark),
+    over what it held at the start. (Written for CUDA; not exercised on a CPU-only machine.)"""
     method = "torch-max-reserved"
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device: str):
+        self.device = torch.device("cuda", int(device.split(":")[1]))
 
     def __enter__(self):
         torch.cuda.synchronize(self.device)

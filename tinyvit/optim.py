@@ -263,14 +263,19 @@ class Adam(Optimizer):
             else:
                 g = g + wd * p.data                           # Adam: L2 penalty in the gradient
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        scratch = xp.multiply(g, 1 - b1)                  # the one temporary array of the update
         m *= b1
-        m += (1 - b1) * g
+        m += scratch                                      # m <- beta1 m + (1 - beta1) g
+        xp.multiply(g, g, out=scratch)
+        scratch *= 1 - b2
         v *= b2
-        v += (1 - b2) * (g * g)
-        denom = xp.sqrt(v)
+        v += scratch                                      # v <- beta2 v + (1 - beta2) g^2
+        denom = xp.sqrt(v, out=scratch)
         denom /= math.sqrt(1 - b2 ** t)
         denom += eps
-        p.data -= (lr / (1 - b1 ** t)) * (m / denom)
+        step = xp.divide(m, denom, out=denom)
+        step *= lr / (1 - b1 ** t)
+        p.data -= step
 
 
 class AdamW(Adam):

@@ -3,9 +3,24 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 
 from . import UsageError, model_args
+
+
+def command_line(args) -> str:
+    """The `tinyvit bench` command that repeats this run, every setting spelled out."""
+    words = ["tinyvit", "bench", "--model", args.model]
+    words += [f"--model-arg={pair}" for pair in args.model_arg or []]
+    words += ["--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype]
+    words += ["--tf32"] if args.tf32 else []
+    words += ["--threads", str(args.threads)] if args.threads else []
+    words += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    words += ["--rounds", str(args.rounds)] if args.rounds != 1 else []
+    if args.compare:
+        words += ["--compare", args.compare, "--torch-attention", args.torch_attention]
+    words += ["--peak-tflops", f"{args.peak_tflops:g}"] if args.peak_tflops else []
+    words += ["--seed", str(args.seed)] if args.seed else []
+    return shlex.join(words)
 
 
 def cmd_bench(args) -> int:
@@ -19,11 +34,11 @@ def cmd_bench(args) -> int:
     try:
         report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                                tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
-                               compare=args.compare, torch_attention=args.torch_attention,
+                               rounds=args.rounds, compare=args.compare, torch_attention=args.torch_attention,
                                peak_tflops=args.peak_tflops, model_args=model_args(args.model_arg), seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    report["command"] = "tinyvit bench " + shlex.join(sys.argv[1:]) if args.argv is None else args.argv
+    report["command"] = command_line(args)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -47,9 +62,13 @@ def register(sub) -> None:
     p.add_argument("--dtype", "--precision", dest="dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor-core matmuls (cuda, float32; both sides)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for NumPy's BLAS and torch.set_num_threads (default: all cores available)")
+                   help="CPU threads for NumPy's BLAS, tinyvit's element-wise blocks and torch.set_num_threads "
+                        "(default: OPENBLAS_NUM_THREADS or OMP_NUM_THREADS if set, else all cores available)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --compare: time both sides --steps more times, in turn, this many rounds in all, "
+                        "so that a change in the machine's load hits both alike (default 1)")
     p.add_argument("--compare", choices=("torch",), default=None, help="also time PyTorch eager on the same setup")
     p.add_argument("--torch-attention", choices=("explicit", "sdpa"), default="explicit",
                    help="PyTorch attention: explicit softmax(q k^T) v as tinyvit (default) or "
@@ -58,4 +77,4 @@ def register(sub) -> None:
                    help="peak TFLOP/s for MFU (default: measure a square matmul)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON")
-    p.set_defaults(func=cmd_bench, argv=None)
+    p.set_defaults(func=cmd_bench)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..autograd import Function
 from ..backend import get_array_module, random_uniform
-from .common import require_float, require_ndim, require_same_dtype, shape_of
+from .basic import weight_gradient
+from .common import for_each_block, require_float, require_ndim, require_same_dtype, row_blocks, shape_of
 
 
 class MultiHeadAttention(Function):
@@ -39,7 +42,8 @@ class MultiHeadAttention(Function):
 
     Layout: q, k, v are strided views into the (B, N, 3, H, dh) GEMM output, and the batched
     matmuls write ctx and dq, dk, dv straight into the (B, N, ...) rows the next GEMM reads, so no
-    head split or merge is ever copied (NumPy's matmul hands such views to BLAS as they are).
+    head split or merge is ever copied (NumPy's matmul hands such views to BLAS as they are). On
+    NumPy the per-head products and the softmax run on the ops' threads (ops.common.for_each_block).
     """
 
     def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
@@ -56,11 +60,8 @@ class MultiHeadAttention(Function):
             qkv += b_qkv
         q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))     # each (B, H, N, dh), views
 
-        a = q @ k.swapaxes(-1, -2)                        # (B, H, N, N) logits
-        a *= scale
-        a -= a.max(axis=-1, keepdims=True)                # softmax, Eq. 6 (shifted for stability)
-        xp.exp(a, out=a)
-        a /= a.sum(axis=-1, keepdims=True)
+        a = _batched_matmul(q, k.swapaxes(-1, -2))        # (B, H, N, N) logits
+        _softmax_rows_(a.reshape(-1, n), scale)           # A = softmax(s q k^T), Eq. 6, in place
 
         mask, keep_scale, a_drop = None, 1.0, a
         if training and attn_dropout > 0.0:
@@ -70,7 +71,7 @@ class MultiHeadAttention(Function):
             a_drop *= keep_scale
 
         merged = xp.empty((b, n, h, dh), dtype=x.dtype)   # heads side by side: (B*N, D) rows
-        xp.matmul(a_drop, v, out=merged.transpose(0, 2, 1, 3))   # ctx = A' v, Eq. 7
+        _batched_matmul(a_drop, v, out=_heads_of(merged))  # ctx = A' v, Eq. 7
         merged = merged.reshape(b * n, d)
         out = merged @ w_proj                             # Eq. 8
         if b_proj is not None:
@@ -93,7 +94,7 @@ class MultiHeadAttention(Function):
         if gy is not None:
             g2 = gy.reshape(b * n, d)                     # (B*N, D)
             if need[3]:
-                dw_proj = merged.T @ g2
+                dw_proj = weight_gradient(merged, g2)
             if need[4]:
                 db_proj = g2.sum(axis=0)
         if not (need[0] or need[1] or need[2]):
@@ -104,8 +105,8 @@ class MultiHeadAttention(Function):
         if gy is not None:
             dctx = _heads_of((g2 @ w_proj.T).reshape(b, n, h, dh))               # (B, H, N, dh), a view
             a_drop = a if mask is None else a * mask * keep_scale
-            xp.matmul(a_drop.swapaxes(-1, -2), dctx, out=dv)                    # dv = A'^T dctx
-            da = dctx @ v.swapaxes(-1, -2)                                      # (B, H, N, N)
+            _batched_matmul(a_drop.swapaxes(-1, -2), dctx, out=dv)              # dv = A'^T dctx
+            da = _batched_matmul(dctx, v.swapaxes(-1, -2))                      # (B, H, N, N)
             if mask is not None:
                 da *= mask
                 da *= keep_scale
@@ -116,17 +117,57 @@ class MultiHeadAttention(Function):
             da = g_attn.copy()
 
         ds = da                                           # softmax backward, in place on da
-        ds -= xp.einsum("bhij,bhij->bhi", da, a)[..., None]   # sum(dA * A) over the last axis
-        ds *= a
-        ds *= scale
-        xp.matmul(ds, k, out=dq)                          # dq = s dS k
-        xp.matmul(ds.swapaxes(-1, -2), q, out=dk)         # dk = s dS^T q
+        _softmax_rows_backward_(ds.reshape(-1, n), a.reshape(-1, n), scale)
+        _batched_matmul(ds, k, out=dq)                    # dq = s dS k
+        _batched_matmul(ds.swapaxes(-1, -2), q, out=dk)   # dk = s dS^T q
 
         dqkv = dqkv.reshape(b * n, 3 * d)                 # back to (B*N, 3D) columns q | k | v
         dx = (dqkv @ w_qkv.T).reshape(b, n, d) if need[0] else None
-        dw_qkv = rows.T @ dqkv if need[1] else None
+        dw_qkv = weight_gradient(rows, dqkv) if need[1] else None
         db_qkv = dqkv.sum(axis=0) if need[2] else None
         return dx, dw_qkv, db_qkv, dw_proj, db_proj
+
+
+def _batched_matmul(a, b, out=None):
+    """a @ b for stacks (B, H, ., .) of small per-head matrices, into ``out`` if given. BLAS runs
+    each small product on one thread, so on NumPy the stack is split along B among the threads."""
+    xp = get_array_module(a)
+    if out is None:
+        out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=a.dtype)
+    if xp is not np:
+        return xp.matmul(a, b, out=out)
+    step = 16                                             # samples per block: 48 matrices for 3 heads
+    for_each_block(lambda r: np.matmul(a[r], b[r], out=out[r]),
+                   [slice(start, start + step) for start in range(0, a.shape[0], step)])
+    return out
+
+
+def _softmax_rows_(z, scale):
+    """z (R, n) <- softmax(scale z) along each row, in place, in cache-sized blocks of rows
+    (shifted by the row's max so that exp cannot overflow)."""
+    xp = get_array_module(z)
+
+    def block(r):
+        zr = z[r]
+        zr *= scale
+        zr -= zr.max(axis=-1, keepdims=True)
+        xp.exp(zr, out=zr)
+        zr /= zr.sum(axis=-1, keepdims=True)
+
+    for_each_block(block, row_blocks(z))
+
+
+def _softmax_rows_backward_(g, y, scale):
+    """g (R, n) <- dL/dz for y = softmax(scale z), given g = dL/dy:  scale y (g - sum(g y)), in place."""
+    xp = get_array_module(g)
+
+    def block(r):
+        gr, yr = g[r], y[r]
+        gr -= xp.einsum("ij,ij->i", gr, yr)[:, None]      # sum(g y) over the row
+        gr *= yr
+        gr *= scale
+
+    for_each_block(block, row_blocks(g))
 
 
 def _heads_of(t):

@@ -15,20 +15,40 @@ from __future__ import annotations
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, require_ndim, require_same_dtype, row_blocks, shape_of
+from .common import for_each_block, require_float, require_ndim, require_same_dtype, row_blocks, shape_of
 
 
-def _row_dot(a, b):
-    """sum(a * b, axis=-1) of two (R, n) arrays, kept as (R, 1), without the (R, n) temporary."""
-    return get_array_module(a).einsum("ij,ij->i", a, b)[:, None]
+# Row sums of short rows (LayerNorm's D) by einsum: no temporary, about 3x faster than
+# .sum(axis=-1), as accurate there; long rows (GroupNorm's C/G * H * W) keep NumPy's pairwise sum,
+# which stays accurate to a few units of float32 where einsum's running sums would not.
+_SHORT_ROW = 4096
+
+
+def _row_mean(a):
+    """mean of each row of a (R, n) array, as (R, 1)."""
+    xp = get_array_module(a)
+    if a.shape[-1] > _SHORT_ROW:
+        return a.mean(axis=-1, keepdims=True)
+    total = xp.einsum("ij->i", a)[:, None]
+    total *= 1.0 / a.shape[-1]
+    return total
+
+
+def _row_dot_mean(a, b):
+    """mean(a * b) of each row of two (R, n) arrays, as (R, 1)."""
+    xp = get_array_module(a)
+    if a.shape[-1] > _SHORT_ROW:
+        return (a * b).mean(axis=-1, keepdims=True)
+    total = xp.einsum("ij,ij->i", a, b)[:, None]
+    total *= 1.0 / a.shape[-1]
+    return total
 
 
 def _standardize_rows(x2, eps):
     """x2: (R, n) -> x_hat (R, n), inv_std (R, 1): each row to zero mean, unit (biased) variance."""
     xp = get_array_module(x2)
-    x_hat = x2 - x2.mean(axis=-1, keepdims=True)             # a fresh array we may overwrite
-    inv_std = _row_dot(x_hat, x_hat)
-    inv_std *= 1.0 / x2.shape[-1]                             # var
+    x_hat = x2 - _row_mean(x2)                                # a fresh array we may overwrite
+    inv_std = _row_dot_mean(x_hat, x_hat)                     # var
     inv_std += eps                                            # eps a Python float: dtype stays
     inv_std = 1.0 / xp.sqrt(inv_std, out=inv_std)
     x_hat *= inv_std
@@ -38,9 +58,8 @@ def _standardize_rows(x2, eps):
 def _standardize_rows_backward_(g, x_hat, inv_std):
     """dL/dx for x_hat = standardize_rows(x), given g = dL/dx_hat; all (R, n) but inv_std (R, 1).
     Overwrites g with the result (pass a fresh array)."""
-    mean_gx = _row_dot(g, x_hat)
-    mean_gx *= 1.0 / g.shape[-1]                              # mean(g * x_hat) per row
-    g -= g.mean(axis=-1, keepdims=True)
+    mean_gx = _row_dot_mean(g, x_hat)
+    g -= _row_mean(g)
     g -= x_hat * mean_gx
     g *= inv_std
     return g
@@ -59,7 +78,8 @@ class LayerNorm(Function):
         x2 = x.reshape(-1, x.shape[-1])                                        # (R, D)
         x_hat, y = xp.empty_like(x2), xp.empty_like(x2)
         inv_std = xp.empty((x2.shape[0], 1), dtype=x2.dtype)                  # (R, 1)
-        for r in row_blocks(x2):                                               # cache-sized blocks of rows
+
+        def normalize(r):                                                      # one block of rows
             x_hat[r], inv_std[r] = _standardize_rows(x2[r], eps)
             if gamma is not None:
                 xp.multiply(x_hat[r], gamma, out=y[r])
@@ -67,6 +87,8 @@ class LayerNorm(Function):
                 y[r] = x_hat[r]
             if beta is not None:
                 y[r] += beta
+
+        for_each_block(normalize, row_blocks(x2))                              # cache-sized, threaded
         self.save(x_hat, inv_std, gamma)
         return y.reshape(x.shape)
 
@@ -76,16 +98,17 @@ class LayerNorm(Function):
         need_x, need_gamma, need_beta = self.needs_input_grad[:3]
         g2 = gy.reshape(x_hat.shape)                                           # (R, D)
         dx = xp.empty_like(x_hat) if need_x else None
-        dgamma = xp.zeros_like(x_hat[0]) if need_gamma else None
-        dbeta = xp.zeros_like(x_hat[0]) if need_beta else None
-        for r in row_blocks(x_hat):                                            # cache-sized blocks of rows
+
+        def block_grads(r):                                                    # one block of rows
             if need_x:
                 g = g2[r] * gamma if gamma is not None else g2[r].copy()
                 dx[r] = _standardize_rows_backward_(g, x_hat[r], inv_std[r])
-            if need_gamma:
-                dgamma += xp.einsum("ij,ij->j", g2[r], x_hat[r])               # sum over rows of gy x_hat
-            if need_beta:
-                dbeta += g2[r].sum(axis=0)
+            return (xp.einsum("ij,ij->j", g2[r], x_hat[r]) if need_gamma else None,   # sum of gy x_hat
+                    g2[r].sum(axis=0) if need_beta else None)                        # and of gy
+
+        partial = for_each_block(block_grads, row_blocks(x_hat))              # cache-sized, threaded
+        dgamma = sum(p[0] for p in partial) if need_gamma else None
+        dbeta = sum(p[1] for p in partial) if need_beta else None
         return (dx.reshape(gy.shape) if need_x else None), dgamma, dbeta
 
 

@@ -9,6 +9,7 @@ kernel E^T.reshape(D, C, P, P) and stride P, flattened as conv(x).flatten(2).tra
 from __future__ import annotations
 
 from ..autograd import Function
+from .basic import weight_gradient
 from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
@@ -47,7 +48,7 @@ class PatchEmbed(Function):
                        .transpose(0, 3, 1, 4, 2, 5)        # (B, C, H/P, P, W/P, P)
                        .reshape(image_shape))
         if need_w:
-            dw = patches.T @ g
+            dw = weight_gradient(patches, g)
         if need_b:
             db = g.sum(axis=0)
         return dimages, dw, db
