@@ -2,6 +2,7 @@
 cache blocking of element-wise formulas on NumPy."""
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -61,14 +62,15 @@ def set_num_threads(n) -> None:
     _num_threads = n
 
 
-def _run_in_worker(fn, blocks):
+def _run_in_worker(work):
     _local.worker = True           # a worker never waits on the pool: blocks nested in fn run serially
-    return [fn(b) for b in blocks]
+    work()
 
 
 def for_each_block(fn, blocks) -> list:
-    """[fn(b) for b in blocks], the blocks split into get_num_threads() runs of consecutive blocks,
-    one per thread (the calling thread takes the first). fn must only write what its block owns."""
+    """[fn(b) for b in blocks], computed by get_num_threads() threads (the calling thread is one)
+    that each take the next block not yet taken, so a thread slowed by other work on its core just
+    does fewer blocks. fn must only write what its block owns; results keep the order of blocks."""
     global _pool, _pool_size
     n = min(get_num_threads(), len(blocks))
     if n <= 1 or getattr(_local, "worker", False):
@@ -78,11 +80,17 @@ def for_each_block(fn, blocks) -> list:
             _pool_size = max(n, os.cpu_count() or 1) - 1  # threads start only when work needs them
             _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="tinyvit")
         pool = _pool
-    runs = [blocks[i * len(blocks) // n:(i + 1) * len(blocks) // n] for i in range(n)]
-    others = [pool.submit(_run_in_worker, fn, run) for run in runs[1:]]
-    results = [fn(b) for b in runs[0]]
+    results = [None] * len(blocks)
+    tickets = itertools.count()                           # next() on it is atomic: one block per ticket
+
+    def work():
+        while (i := next(tickets)) < len(blocks):
+            results[i] = fn(blocks[i])
+
+    others = [pool.submit(_run_in_worker, work) for _ in range(n - 1)]
+    work()
     for future in others:
-        results += future.result()
+        future.result()
     return results
 
 
