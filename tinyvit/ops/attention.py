@@ -136,7 +136,7 @@ def _batched_matmul(a, b, out=None):
         out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=a.dtype)
     if xp is not np:
         return xp.matmul(a, b, out=out)
-    step = 16                                             # samples per block: 48 matrices for 3 heads
+    step = 16                                             # samples per block: 16 x H small products
     for_each_block(lambda r: np.matmul(a[r], b[r], out=out[r]),
                    [slice(start, start + step) for start in range(0, a.shape[0], step)])
     return out

@@ -318,8 +318,8 @@ def weight_gradient(x_rows, g_rows):
 
     Summed over all R = B*N rows in one GEMM. When I < O it is computed as (g^T x)^T and copied
     to row-major order (I*O elements, cheap): OpenBLAS's threaded GEMM with a long inner axis R
-    is 2-3x slower, and up to 15x under a busy CPU, when the product has fewer rows than columns
-    (measured with 2 threads on the 2-core benchmark machine; one thread shows no difference)."""
+    was 2-3x slower, up to 14x, when the product has fewer rows than columns (measured with 2
+    threads on the 2-core benchmark machine shared with other jobs; one thread shows no difference)."""
     if x_rows.shape[1] < g_rows.shape[1]:
         return get_array_module(x_rows).ascontiguousarray((g_rows.T @ x_rows).T)
     return x_rows.T @ g_rows
