@@ -158,3 +158,27 @@ def test_fewshot_cli_errors(checkpoints, capsys):
     assert "16x16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["fewshot", str(checkpoints["vit"]), "--dataset", "synthetic", "--shots", "one"])
+
+
+def test_fewshot_cli_random_init_baseline(tmp_path, capsys):
+    """--random-init MODEL: the same architecture untrained, seeded, sized for the dataset."""
+    data = [a for k, v in DATA.items() for a in ("--dataset-arg", f"{k}={v}")]
+    model = [a for k, v in MODEL.items() for a in ("--model-arg", f"{k}={v}")]
+    reports = []
+    for seed in (0, 0, 1):
+        report = tmp_path / f"random{len(reports)}.json"
+        assert main(["fewshot", "--random-init", "vit-cifar/4", "--dataset", "synthetic", "--shots", "2",
+                     "--seeds", "2", "--seed", str(seed), "--json", str(report)] + data + model) == 0
+        reports.append(json.loads(report.read_text())[0]["accs"])
+    assert "vit-cifar/4 at random initialisation (seed 0)" in capsys.readouterr().out
+    assert reports[0] == reports[1], "the same seed gives the same untrained model and subsets"
+    assert reports[0] != reports[2]
+
+
+def test_fewshot_cli_needs_exactly_one_model(checkpoints, capsys):
+    for argv, message in [([], "either a CHECKPOINT or --random-init"),
+                          ([str(checkpoints["vit"]), "--random-init", "vit-cifar/4"], "either a CHECKPOINT"),
+                          ([str(checkpoints["vit"]), "--model-arg", "dim=8"], "--model-arg goes with --random-init")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["fewshot", *argv, "--dataset", "synthetic", "--shots", "1"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -48,11 +48,18 @@ def cmd_fewshot(args) -> int:
     l2s = _number_list(args.l2, float, "--l2")
     if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
         raise UsageError("--shots and --seeds must be >= 1 and --l2 > 0")
+    if (args.checkpoint is None) == (args.random_init is None):
+        raise UsageError("give either a CHECKPOINT or --random-init MODEL")
+    if args.model_arg and not args.random_init:
+        raise UsageError("--model-arg goes with --random-init (a checkpoint's model is what it was trained as)")
     dataset_args = _dataset_args(args.dataset_arg)
-    model, info = load_for_inference(args.checkpoint, device=args.device)
     ds = load_data(args.dataset, args.data_dir, dataset_args)
     if args.test_limit:
         ds = ds.subset(None, args.test_limit)
+    if args.random_init:
+        model, info = _random_model(args, ds), {}
+    else:
+        model, info = load_for_inference(args.checkpoint, device=args.device)
     cfg = model.config
     if (ds.channels, ds.image_size) != (cfg.in_channels, cfg.image_size):
         raise ValueError(f"the model takes {cfg.in_channels}x{cfg.image_size}x{cfg.image_size} images but "
@@ -73,7 +80,8 @@ def cmd_fewshot(args) -> int:
     results = fewshot_evaluate(train_features, ds.train_labels, test_features, ds.test_labels, shots, args.seeds,
                                l2s, num_classes=ds.num_classes, standardize=not args.no_standardize, seed=args.seed)
     rep = {None: "the classifier's input", "token": "class token", "gap": "mean of the patch tokens"}[pool]
-    print(f"{args.checkpoint} ({model.arch}): few-shot linear accuracy on {ds.name} test "
+    source = args.checkpoint or f"{args.random_init} at random initialisation (seed {args.seed})"
+    print(f"{source} ({model.arch}): few-shot linear accuracy on {ds.name} test "
           f"({len(ds.test_images)} images, {ds.num_classes} classes), {rep}, {args.seeds} seeds")
     print(f"{'shots':>6}{'l2':>10}{'mean':>10}{'std':>8}{'min':>8}{'max':>8}")
     for (n, l2), r in results.items():
@@ -83,6 +91,20 @@ def cmd_fewshot(args) -> int:
         Path(args.json).write_text(json.dumps([{"shots": n, "l2": l2, **r} for (n, l2), r in results.items()],
                                               indent=2))
     return 0
+
+
+def _random_model(args, ds):
+    """The baseline of a pre-trained checkpoint: the same architecture, untrained (the official
+    initialisation, seeded by --seed), sized for the dataset, in eval mode."""
+    from .. import backend
+    from ..models import create
+    from . import model_args
+    backend.manual_seed(args.seed)
+    overrides = dict(image_size=ds.image_size, in_channels=ds.channels, num_classes=ds.num_classes)
+    model = create(args.random_init, **{**overrides, **model_args(args.model_arg)})
+    model.to(args.device)
+    model.eval()
+    return model
 
 
 def register(sub) -> None:
@@ -108,7 +130,13 @@ def register(sub) -> None:
                        description="Fit a regularised least-squares map from the frozen representation of SHOTS "
                                    "training images per class to {-1, 1}^K targets, in closed form, and report "
                                    "test accuracy: mean and spread over --seeds random subsets (section 4.1).")
-    p.add_argument("checkpoint", help="a ViT checkpoint (tinyvit train) or a pre-trained one (tinyvit pretrain)")
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="a ViT checkpoint (tinyvit train) or a pre-trained one (tinyvit pretrain)")
+    p.add_argument("--random-init", metavar="MODEL", default=None,
+                   help="instead of a checkpoint: the named model (see `tinyvit models`) at random "
+                        "initialisation, the baseline that pre-training has to beat")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="with --random-init: override a ViTConfig field (repeatable)")
     p.add_argument("--dataset", required=True, choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
     p.add_argument("--data-dir", default=None)
     p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
