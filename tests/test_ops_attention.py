@@ -95,6 +95,39 @@ def test_gradcheck_with_attention_dropout(xp, rng, b, n, d, heads):
     tv.gradcheck(fn, inputs)
 
 
+@pytest.mark.parametrize("b,n,d,heads,m", [(2, 5, 6, 2, 1), (1, 4, 8, 4, 3), (3, 3, 3, 1, 2)])
+def test_gradcheck_with_fewer_queries(xp, rng, b, n, d, heads, m):
+    """num_queries=M: only the first M tokens ask; every token still gets a gradient (as key/value)."""
+    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, b, n, d)]
+    tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, num_queries=m), inputs)
+    tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, return_attention=True, num_queries=m), inputs)
+
+    def dropped(*t):
+        tv.manual_seed(3)
+        return F.multi_head_attention(*t, heads, attn_dropout=0.3, training=True, num_queries=m)
+
+    tv.get_array_module(xp.zeros(1))
+    tv.gradcheck(dropped, inputs)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_fewer_queries_are_the_first_rows_of_full_attention(xp, rng, m):
+    a = arrays(rng, 2, 5, 6, scale=1.0)
+    out, attn = F.multi_head_attention(*[xp.asarray(t) for t in a], 3, return_attention=True, num_queries=m)
+    ref_out, ref_attn = ref_attention(*a, 3)
+    assert out.shape == (2, m, 6) and attn.shape == (2, 3, m, 5)
+    assert_close(out, ref_out[:, :m], rtol=1e-10, atol=1e-12, what="output")
+    assert_close(attn, ref_attn[:, :, :m], rtol=1e-10, atol=1e-12, what="attention")
+
+
+def test_fewer_queries_torch_parity(torch, rng):
+    def reference(x, w_qkv, b_qkv, w_proj, b_proj):
+        return torch_attention(torch, 2)(x, w_qkv, b_qkv, w_proj, b_proj)[:, :2]
+
+    torch_parity(torch, lambda *t: F.multi_head_attention(*t, 2, num_queries=2), reference,
+                 arrays(rng, 3, 6, 8), np.float64, 1e-6)
+
+
 # ---------------------------------------------------------------- forward against the reference
 
 
@@ -235,6 +268,9 @@ def test_errors():
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_qkv, 2)
     with pytest.raises(ValueError, match="w_qkv and w_proj are required"):
         F.multi_head_attention(x, None, b_qkv, w_proj, b_proj, 2)
+    for bad in (0, 4, 1.0, True):
+        with pytest.raises(ValueError, match=r"num_queries must be an integer in \[1, N=3\]"):
+            F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, 2, num_queries=bad)
     with pytest.raises(ValueError, match=r"attn_dropout must be a probability in \[0, 1\]"):
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, 2, attn_dropout=1.5)
     with pytest.raises(TypeError, match="x must be a floating-point array"):

@@ -147,11 +147,16 @@ class Block(nn.Module):
             xavier_uniform(fc.weight, *fc.weight.shape)
             normal(fc.bias, 1e-6)
 
-    def forward(self, x, return_attention=False):
+    def forward(self, x, return_attention=False, keep=None):
+        """keep: compute the block's output for the first ``keep`` tokens only, (B, keep, D): they
+        attend to every token, but no other token's output is computed (ViT's last block, whose
+        output only the class token's row is read from). None: all tokens."""
         attn = None
-        h = self.attn(self.norm1(x), return_attention=return_attention)
+        h = self.attn(self.norm1(x), return_attention=return_attention, num_queries=keep)
         if return_attention:
             h, attn = h
+        if keep is not None:
+            x = x[:, :keep]
         x = x + self.drop_path(h)                                   # Eq. 2
         x = x + self.drop_path(self.mlp(self.norm2(x)))             # Eq. 3
         return (x, attn) if return_attention else x
@@ -273,15 +278,18 @@ class ViT(nn.Module):
         return self.pos_drop(tokens)
 
     # ----- Eq. 2-4 -----
-    def encode(self, tokens, return_attention=False):
-        """The L blocks and the final LayerNorm. (B, T, D) -> (B, T, D) [, list of (B, H, T, T)]."""
+    def encode(self, tokens, return_attention=False, keep=None):
+        """The L blocks and the final LayerNorm. (B, T, D) -> (B, T, D) [, list of (B, H, T, T)].
+        keep: the last block computes only the first ``keep`` tokens' outputs: (B, keep, D)."""
         attentions = []
-        for block in self.blocks:
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            block_keep = keep if i == last else None
             if return_attention:
-                tokens, attn = block(tokens, return_attention=True)
+                tokens, attn = block(tokens, return_attention=True, keep=block_keep)
                 attentions.append(attn)
             else:
-                tokens = block(tokens)
+                tokens = block(tokens, keep=block_keep)
         tokens = self.norm(tokens)
         return (tokens, attentions) if return_attention else tokens
 
@@ -295,7 +303,11 @@ class ViT(nn.Module):
     def forward_features(self, images, return_attention=False):
         """images (B, C, H, W) -> the representation y (B, D) [, attentions]."""
         tokens = self.add_position(self.embed_patches(images))
-        out = self.encode(tokens, return_attention=return_attention)
+        # The head reads only the class token: the last block need not compute the other tokens'
+        # outputs (they still serve as its keys and values). Same result, ~1/8 less work at depth 6.
+        # The attention maps, when asked for, are kept whole.
+        keep = 1 if self.config.pool == "token" and not return_attention else None
+        out = self.encode(tokens, return_attention=return_attention, keep=keep)
         if return_attention:
             return self.pool(out[0]), out[1]
         return self.pool(out)

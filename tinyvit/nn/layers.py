@@ -138,6 +138,7 @@ class MultiHeadAttention(Module):
     """Multi-head self-attention, MSA of Eq. 2 (appendix A, Eq. 5-8), then dropout on its output.
 
     x: (B, N, dim)  ->  (B, N, dim); with return_attention=True also the weights A: (B, heads, N, N).
+    With num_queries=M only the first M tokens' outputs are computed: (B, M, dim), A (B, heads, M, N).
     qkv: Linear(dim, 3*dim), columns ordered q | k | v, heads split within each; proj: Linear(dim, dim).
     The qkv weight is Xavier-initialised as three separate (dim, dim) matrices, as the official code's
     separate query/key/value Dense layers are (bound sqrt(6 / (dim + dim)), not sqrt(6 / (dim + 3 dim))).
@@ -158,10 +159,11 @@ class MultiHeadAttention(Module):
         self.proj = Linear(dim, dim)
         self.proj_drop = Dropout(proj_dropout)
 
-    def forward(self, x, return_attention: bool = False):
+    def forward(self, x, return_attention: bool = False, num_queries=None):
+        """num_queries: M, for the output of the first M tokens only (B, M, dim); all N by default."""
         out = F.multi_head_attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias,
                                      self.num_heads, attn_dropout=self.attn_dropout, training=self.training,
-                                     return_attention=return_attention)
+                                     return_attention=return_attention, num_queries=num_queries)
         if return_attention:
             out, attn = out
             return self.proj_drop(out), attn

@@ -25,7 +25,9 @@ class MultiHeadAttention(Function):
     """Fused multi-head self-attention (Eq. 5-8), optionally with dropout on the attention weights.
 
     x: (B, N, D)   w_qkv: (D, 3D)   b_qkv: (3D,) or None   w_proj: (D, D)   b_proj: (D,) or None
-    ->  out: (B, N, D), and with return_attention also attn: (B, H, N, N) (softmax, before dropout).
+    ->  out: (B, M, D), and with return_attention also attn: (B, H, M, N) (softmax, before dropout),
+    where only the first M = num_queries tokens ask (M = N by default: full self-attention). Every
+    token still gives its key and value; ViT's last block needs just the class token's row (M = 1).
 
     Forward, with dh = D / H and s = 1 / sqrt(dh):
         qkv = x W_qkv + b_qkv                 one GEMM over (B*N, D), split to q, k, v: (B, H, N, dh)
@@ -47,9 +49,10 @@ class MultiHeadAttention(Function):
     """
 
     def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
-                return_attention=False):
+                return_attention=False, num_queries=None):
         xp = get_array_module(x)
         b, n, d = x.shape
+        m = n if num_queries is None else num_queries
         h = num_heads
         dh = d // h
         scale = 1.0 / math.sqrt(dh)                       # a Python float: float32 stays float32
@@ -59,8 +62,11 @@ class MultiHeadAttention(Function):
         if b_qkv is not None:
             qkv += b_qkv
         q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))     # each (B, H, N, dh), views
+        q = q[:, :, :m]                                   # the queries asked for: (B, H, M, dh)
+        # (With M < N the other rows' queries were computed for nothing: 1/3 of one GEMM, kept so
+        # that the qkv product stays a single GEMM.)
 
-        a = _batched_matmul(q, k.swapaxes(-1, -2))        # (B, H, N, N) logits
+        a = _batched_matmul(q, k.swapaxes(-1, -2))        # (B, H, M, N) logits
         _softmax_rows_(a.reshape(-1, n), scale)           # A = softmax(s q k^T), Eq. 6, in place
 
         mask, keep_scale, a_drop = None, 1.0, a
@@ -70,29 +76,30 @@ class MultiHeadAttention(Function):
             a_drop = a * mask
             a_drop *= keep_scale
 
-        merged = xp.empty((b, n, h, dh), dtype=x.dtype)   # heads side by side: (B*N, D) rows
+        merged = xp.empty((b, m, h, dh), dtype=x.dtype)   # heads side by side: (B*M, D) rows
         _batched_matmul(a_drop, v, out=_heads_of(merged))  # ctx = A' v, Eq. 7
-        merged = merged.reshape(b * n, d)
+        merged = merged.reshape(b * m, d)
         out = merged @ w_proj                             # Eq. 8
         if b_proj is not None:
             out += b_proj
 
         self.save(rows, w_qkv, qkv, a, mask, keep_scale, merged if self.needs_input_grad[3] else None,
                   w_proj, scale)
-        out = out.reshape(b, n, d)
+        out = out.reshape(b, m, d)
         return (out, a) if return_attention else out
 
     def backward(self, gy, g_attn=None):
         rows, w_qkv, qkv, a, mask, keep_scale, merged, w_proj, scale = self.saved
         xp = get_array_module(a)
         need = self.needs_input_grad
-        b, h, n, _ = a.shape
+        b, h, m, n = a.shape
         d = qkv.shape[1] // 3
         dh = d // h
         q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))
+        q = q[:, :, :m]
         dw_proj = db_proj = None
         if gy is not None:
-            g2 = gy.reshape(b * n, d)                     # (B*N, D)
+            g2 = gy.reshape(b * m, d)                     # (B*M, D)
             if need[3]:
                 dw_proj = weight_gradient(merged, g2)
             if need[4]:
@@ -102,11 +109,14 @@ class MultiHeadAttention(Function):
 
         dqkv = xp.empty((b, n, 3, h, dh), dtype=qkv.dtype)   # the (B*N, 3D) rows of [dq | dk | dv]
         dq, dk, dv = _heads(dqkv)
+        if m < n:
+            dq[:, :, m:] = 0                              # rows that asked no query
+            dq = dq[:, :, :m]
         if gy is not None:
-            dctx = _heads_of((g2 @ w_proj.T).reshape(b, n, h, dh))               # (B, H, N, dh), a view
+            dctx = _heads_of((g2 @ w_proj.T).reshape(b, m, h, dh))               # (B, H, M, dh), a view
             a_drop = a if mask is None else a * mask * keep_scale
             _batched_matmul(a_drop.swapaxes(-1, -2), dctx, out=dv)              # dv = A'^T dctx
-            da = _batched_matmul(dctx, v.swapaxes(-1, -2))                      # (B, H, N, N)
+            da = _batched_matmul(dctx, v.swapaxes(-1, -2))                      # (B, H, M, N)
             if mask is not None:
                 da *= mask
                 da *= keep_scale
@@ -186,13 +196,15 @@ def _heads(qkv):
 
 
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
-                         return_attention=False):
+                         return_attention=False, num_queries=None):
     """Multi-head self-attention (appendix A, Eq. 5-8) on tokens x: (B, N, D) -> (B, N, D).
 
     w_qkv: (D, 3D) with columns q | k | v, heads split within each; b_qkv: (3D,) or None;
     w_proj: (D, D); b_proj: (D,) or None; D must be divisible by num_heads.
     attn_dropout: dropout probability on the attention weights, applied only when training.
     return_attention: also return the softmax attention weights (B, H, N, N) (before dropout).
+    num_queries: M, to compute the output of the first M tokens only, (B, M, D) (and weights
+    (B, H, M, N)); every token is still attended to. None: all N.
     """
     op = "multi_head_attention"
     require_float(op, x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_proj=w_proj, b_proj=b_proj)
@@ -213,5 +225,10 @@ def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropou
                              f"(D={d}; weights are (in, out)), got {shape_of(value)}")
     if not 0.0 <= attn_dropout <= 1.0:
         raise ValueError(f"{op}: attn_dropout must be a probability in [0, 1], got {attn_dropout!r}")
+    n = shape_of(x)[1]
+    if num_queries is not None and (not isinstance(num_queries, int) or isinstance(num_queries, bool)
+                                    or not 1 <= num_queries <= n):
+        raise ValueError(f"{op}: num_queries must be an integer in [1, N={n}] or None, got {num_queries!r}")
     return MultiHeadAttention.apply(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, float(attn_dropout),
-                                    bool(training), return_attention=bool(return_attention))
+                                    bool(training), return_attention=bool(return_attention),
+                                    num_queries=None if num_queries == n else num_queries)
