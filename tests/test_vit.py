@@ -540,3 +540,29 @@ def test_overfits_16_random_images():
     # the encoder is learning too: the head alone, trained as long, does not get there (D = 8 features)
     _, acc_head, loss_head, _ = _fit(steps, head_only=True)
     assert acc_head < 1.0 or loss_head > 0.05
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(monkeypatch):
+    """`tinyvit models | head -1`: a closed pipe ends the command with status 0, no traceback."""
+    import os
+    import sys
+
+    from tinyvit.cli import main
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return write_end
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    try:
+        assert main(["models"]) == 0
+    finally:
+        os.close(write_end)

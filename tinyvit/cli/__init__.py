@@ -6,6 +6,7 @@ parsers, and small ``cmd_*`` functions that call the library, so everything is r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -116,6 +117,11 @@ def main(argv=None) -> int:
     except (DataError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`tinyvit models | head`): stop quietly, and point stdout at devnull
+        # so that Python's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
