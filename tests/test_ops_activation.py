@@ -7,6 +7,7 @@ import pytest
 import tinyvit as tv
 import tinyvit.functional as F
 from tinyvit.backend import to_numpy
+from tinyvit.ops import activation
 from tinyvit.ops.activation import erf
 
 from helpers import assert_close, param, torch_parity
@@ -14,6 +15,7 @@ from helpers import assert_close, param, torch_parity
 SHAPES = [(7,), (3, 5), (2, 1, 5), (1, 3, 1), (2, 3, 4)]
 
 _math_erf = np.vectorize(math.erf, otypes=[np.float64])
+_math_erfc = np.vectorize(math.erfc, otypes=[np.float64])
 
 
 # ---------------------------------------------------------------- references written out in NumPy
@@ -136,6 +138,54 @@ def test_gelu_far_tails_are_finite(approximate):
     y.backward(np.ones(4, dtype=np.float32))
     np.testing.assert_allclose(y.numpy(), [0.0, 0.0, 50.0, 1e4], atol=1e-30)
     np.testing.assert_allclose(x.grad, [0.0, 0.0, 1.0, 1.0], atol=1e-30)
+
+
+def _phi_tanh32(x):
+    with np.errstate(over="ignore"):                 # as in GELU: -x^2/2 and its powers reach -+inf far out
+        z = x * x
+        z *= -0.5
+        return activation._normal_cdf_tanh32(x, z, out=np.empty_like(x))
+
+
+def test_gelu_float32_phi_is_accurate_and_every_coefficient_matters(monkeypatch):
+    """float32 GELU takes Phi(x) from (1 + tanh(x P(-x^2/2))) / 2 with fitted coefficients
+    (activation._PHI_TANH32): absolute error below 1.5e-7 on a dense grid of [-10, 10] (1e-7 measured),
+    and a 2% error in any one coefficient breaks that bound."""
+    x = np.linspace(-10, 10, 400_001).astype(np.float32)
+    want = 0.5 * _math_erfc(-x.astype(np.float64) / math.sqrt(2.0))     # Phi of the float32 inputs
+    got = _phi_tanh32(x)
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < 1.5e-7
+    for k, c in enumerate(activation._PHI_TANH32):
+        for wrong in (0.98 * c, 1.02 * c):
+            coeffs = list(activation._PHI_TANH32)
+            coeffs[k] = wrong
+            monkeypatch.setattr(activation, "_PHI_TANH32", tuple(coeffs))
+            assert np.abs(_phi_tanh32(x) - want).max() > 1.5e-7, f"coefficient {k} off by 2% went unnoticed"
+            monkeypatch.undo()
+
+
+def test_gelu_float32_phi_tails_inf_and_nan():
+    """Past |x| = 6 Phi is 0 or 1 to float32 precision, and the tanh form gives exactly that, out to
+    +-inf (where the powers of -x^2/2 overflow); NaN stays NaN."""
+    far = np.array([6.0, 10.0, 50.0, 1e4, 1e30, 3e38, np.inf], dtype=np.float32)
+    np.testing.assert_array_equal(_phi_tanh32(far), 1.0)
+    np.testing.assert_array_equal(_phi_tanh32(-far), 0.0)
+    assert np.isnan(_phi_tanh32(np.array([np.nan], dtype=np.float32))).all()
+
+
+def test_gelu_float32_value_and_derivative_are_accurate():
+    """y = x Phi(x) and dy/dx = Phi(x) + x phi(x) in float32 against float64 math.erfc, densely on [-10, 10]."""
+    x = np.linspace(-10, 10, 400_001).astype(np.float32)
+    x64 = x.astype(np.float64)
+    cdf = 0.5 * _math_erfc(-x64 / math.sqrt(2.0))
+    pdf = np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+    t = tv.Tensor(x, requires_grad=True)
+    y = F.gelu(t)
+    y.backward(np.ones_like(x))
+    assert y.dtype == np.float32 and t.grad.dtype == np.float32
+    assert (np.abs(y.numpy() - x64 * cdf) <= 2e-7 * np.abs(x64)).all()           # 1.3e-7 |x| measured
+    assert np.abs(t.grad - (cdf + x64 * pdf)).max() < 3e-7                     # 1.6e-7 measured
 
 
 # ---------------------------------------------------------------- softmax and log_softmax

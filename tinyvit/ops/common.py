@@ -104,6 +104,14 @@ def row_blocks(x2):
     return [slice(start, start + step) for start in range(0, max(rows, 1), step)]
 
 
+def flat_blocks(x1):
+    """Slices of consecutive elements of the 1-D array x1, BLOCK_ELEMENTS each (a single slice of
+    all on CuPy)."""
+    if get_array_module(x1) is not np:
+        return [slice(None)]
+    return [slice(start, start + BLOCK_ELEMENTS) for start in range(0, x1.size, BLOCK_ELEMENTS)]
+
+
 def blockwise(fn, *arrays):
     """fn(*blocks) on consecutive blocks of BLOCK_ELEMENTS elements of the flattened arrays (all of
     one shape), put back together in that shape; fn must be element-wise. fn(*arrays) on CuPy."""
@@ -115,8 +123,30 @@ def blockwise(fn, *arrays):
     def fill(block):
         out[block] = fn(*(f[block] for f in flats))
 
-    for_each_block(fill, [slice(start, start + BLOCK_ELEMENTS) for start in range(0, out.size, BLOCK_ELEMENTS)])
+    for_each_block(fill, flat_blocks(out))
     return out.reshape(arrays[0].shape)
+
+
+# A fresh temporary of a block's size (512 KiB) is often a new mmap whose pages fault in when first
+# written, which can triple the cost of the pass that fills it; the hot kernels (GELU, LayerNorm)
+# instead reuse a few block-sized arrays that each thread keeps for the next block.
+_scratch = threading.local()
+
+
+def scratch(owner: str, count: int, like) -> list:
+    """``count`` arrays of the shape and dtype of the array ``like``, the calling thread's own and
+    kept for its next call with the same ``owner``: temporaries for one block of a kernel, to fill
+    with out=. Their contents are garbage, and the next call with this owner in this thread hands
+    out the same memory again. Fresh arrays on CuPy, whose memory pool already reuses memory."""
+    if get_array_module(like) is not np:
+        return [get_array_module(like).empty_like(like) for _ in range(count)]
+    store = _scratch.__dict__.setdefault("buffers", {})
+    key = (owner, like.dtype)
+    buffer = store.get(key)
+    if buffer is None or buffer.shape[0] < count or buffer.shape[1] < like.size:
+        rows, length = (count, BLOCK_ELEMENTS) if buffer is None else buffer.shape
+        buffer = store[key] = np.empty((max(rows, count), max(length, like.size)), like.dtype)
+    return [buffer[i, :like.size].reshape(like.shape) for i in range(count)]
 
 
 # ---------------------------------------------------------------- input validation
