@@ -136,3 +136,29 @@ def test_for_each_block_nested_and_ordered():
             common.set_num_threads(0)
     finally:
         common.set_num_threads(before)
+
+
+def test_retain_freed_memory_keeps_a_freed_array_resident():
+    """After retain_freed_memory, a freed 64 MiB array stays in the process (glibc), where by default
+    glibc unmaps it at once. Run in a child process: the setting is process-wide and irreversible."""
+    import platform
+    import subprocess
+    import sys
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the setting applies to glibc's malloc only")
+    child = """
+import sys, numpy as np
+from tinyvit.ops.common import retain_freed_memory
+def resident_mib():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+if sys.argv[1] == 'retain':
+    assert retain_freed_memory()
+before = resident_mib()
+a = np.ones(16 << 20, np.float32)   # 64 MiB, touched
+del a
+print(resident_mib() - before)
+"""
+    kept = {mode: float(subprocess.run([sys.executable, "-c", child, mode], capture_output=True, text=True,
+                                       check=True).stdout) for mode in ("retain", "default")}
+    assert kept["retain"] > 48, kept
+    assert kept["default"] < 16, kept

@@ -366,6 +366,10 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
         report["machine"]["gpu"] = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
         report["machine"]["cupy"] = cp.__version__
 
+    # Both sides run in this process, so both get the allocator that keeps freed memory (as
+    # `tinyvit train` does): neither pays page faults for re-allocating its arrays every step.
+    from .ops.common import retain_freed_memory
+    report["machine"]["retain_freed_memory"] = retain_freed_memory()
     sides = {}                               # name -> [step, sync, losses, walls, cpus, memory]
     with contextlib.ExitStack() as settings:
         report["blas_threads"] = settings.enter_context(cpu_threads(threads))

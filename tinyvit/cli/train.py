@@ -62,7 +62,9 @@ def _dataset_args(pairs) -> dict:
 
 
 def _run_training(cfg, model=None, objective=None) -> int:
+    from ..ops.common import retain_freed_memory
     from ..train import TrainingDiverged, train
+    retain_freed_memory()             # the same large arrays every step: keep their memory mapped
     try:
         result = train(cfg, model=model, objective=objective)
     except KeyboardInterrupt:
