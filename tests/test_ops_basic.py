@@ -163,3 +163,25 @@ def test_shape_errors_name_both_shapes(rng):
         F.linear(a, b)
     with pytest.raises(TypeError, match="floating-point"):
         F.linear(np.zeros((2, 4), np.int64), b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threaded_row_helpers_match_numpy(threads):
+    """The bias add, bias gradient and same-shape ufuncs that run in blocks of rows among the ops'
+    threads give NumPy's whole-array answers, for arrays of several blocks and a ragged last one."""
+    from tinyvit.ops import common
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((3 * common.BLOCK_ELEMENTS // 96 + 7, 96)).astype(np.float32)
+    b = rng.standard_normal(96).astype(np.float32)
+    z = rng.standard_normal(y.shape).astype(np.float32)
+    previous = common._num_threads
+    common.set_num_threads(threads)
+    try:
+        np.testing.assert_array_equal(common.add_row_vector_(y.copy(), b), y + b)
+        np.testing.assert_allclose(common.column_sums(y), y.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(common.binary_same_shape(np.add, y, z), y + z)
+        np.testing.assert_array_equal(common.binary_same_shape(np.multiply, y, z), y * z)
+        small = y[:3]
+        np.testing.assert_array_equal(common.binary_same_shape(np.add, small, small), small + small)
+    finally:
+        common.set_num_threads(previous)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import blockwise, flat_blocks, for_each_block, require_float, scratch, shape_of
+from .common import binary_same_shape, blockwise, flat_blocks, for_each_block, require_float, scratch, shape_of
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -171,7 +171,7 @@ class GELU(Function):
 
     def backward(self, gy):
         (d,) = self.saved
-        return gy * d.reshape(gy.shape)
+        return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
 
 
 def _normal_cdf(x):

@@ -18,7 +18,8 @@ import numpy as np
 from ..autograd import Function
 from ..backend import get_array_module, random_uniform
 from .basic import weight_gradient
-from .common import for_each_block, require_float, require_ndim, require_same_dtype, row_blocks, shape_of
+from .common import (add_row_vector_, column_sums, for_each_block, require_float, require_ndim,
+                     require_same_dtype, row_blocks, shape_of)
 
 
 class MultiHeadAttention(Function):
@@ -60,7 +61,7 @@ class MultiHeadAttention(Function):
         rows = x.reshape(b * n, d)
         qkv = rows @ w_qkv                                # (B*N, 3D), Eq. 5 for all heads at once
         if b_qkv is not None:
-            qkv += b_qkv
+            add_row_vector_(qkv, b_qkv)
         q, k, v = _heads(qkv.reshape(b, n, 3, h, dh))     # each (B, H, N, dh), views
         q = q[:, :, :m]                                   # the queries asked for: (B, H, M, dh)
         # (With M < N the other rows' queries were computed for nothing: 1/3 of one GEMM, kept so
@@ -81,7 +82,7 @@ class MultiHeadAttention(Function):
         merged = merged.reshape(b * m, d)
         out = merged @ w_proj                             # Eq. 8
         if b_proj is not None:
-            out += b_proj
+            add_row_vector_(out, b_proj)
 
         self.save(rows, w_qkv, qkv, a, mask, keep_scale, merged if self.needs_input_grad[3] else None,
                   w_proj, scale)
@@ -103,7 +104,7 @@ class MultiHeadAttention(Function):
             if need[3]:
                 dw_proj = weight_gradient(merged, g2)
             if need[4]:
-                db_proj = g2.sum(axis=0)
+                db_proj = column_sums(g2)
         if not (need[0] or need[1] or need[2]):
             return None, None, None, dw_proj, db_proj
 
@@ -134,7 +135,7 @@ class MultiHeadAttention(Function):
         dqkv = dqkv.reshape(b * n, 3 * d)                 # back to (B*N, 3D) columns q | k | v
         dx = (dqkv @ w_qkv.T).reshape(b, n, d) if need[0] else None
         dw_qkv = weight_gradient(rows, dqkv) if need[1] else None
-        db_qkv = dqkv.sum(axis=0) if need[2] else None
+        db_qkv = column_sums(dqkv) if need[2] else None
         return dx, dw_qkv, db_qkv, dw_proj, db_proj
 
 

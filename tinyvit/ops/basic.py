@@ -9,7 +9,7 @@ import numpy as np
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import require_float, shape_of
+from .common import add_row_vector_, binary_same_shape, column_sums, require_float, shape_of
 
 # ---------------------------------------------------------------- element-wise arithmetic
 
@@ -18,7 +18,7 @@ class Add(Function):
     """y = a + b (broadcasting).  dL/da = dL/db = gy."""
 
     def forward(self, a, b):
-        return a + b
+        return binary_same_shape(np.add, a, b)
 
     def backward(self, gy):
         return gy, gy
@@ -379,7 +379,7 @@ class Linear(Function):
         rows = x.reshape(-1, x.shape[-1])
         y = rows @ w
         if b is not None:
-            y += b
+            add_row_vector_(y, b)
         self.save(rows, w, x.shape)
         return y.reshape(*x.shape[:-1], w.shape[1])
 
@@ -388,7 +388,7 @@ class Linear(Function):
         g = gy.reshape(-1, gy.shape[-1])
         gx = (g @ w.T).reshape(x_shape) if self.needs_input_grad[0] else None
         gw = weight_gradient(rows, g) if self.needs_input_grad[1] else None
-        gb = g.sum(axis=0) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
+        gb = column_sums(g) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
         return gx, gw, gb
 
 

@@ -150,6 +150,42 @@ def blockwise(fn, *arrays):
     return out.reshape(arrays[0].shape)
 
 
+def add_row_vector_(y2, b):
+    """y2 += b for y2: (R, O) and b: (O,), in place (a layer's bias), in blocks of rows shared among
+    the threads on NumPy: a single whole-array add would leave the other cores idle."""
+    if get_array_module(y2) is not np:
+        y2 += b
+        return y2
+    for_each_block(lambda r: np.add(y2[r], b, out=y2[r]), row_blocks(y2))
+    return y2
+
+
+def column_sums(g2):
+    """The sum over the rows of g2: (R, O) -> (O,) (a bias's gradient), block by block among the
+    threads on NumPy. The blocks' partial sums are added in block order, so the result does not
+    depend on the number of threads."""
+    if get_array_module(g2) is not np:
+        return g2.sum(axis=0)
+    parts = for_each_block(lambda r: g2[r].sum(axis=0), row_blocks(g2))
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def binary_same_shape(ufunc, a, b):
+    """ufunc(a, b) (np.add, np.multiply) of two large C-contiguous NumPy arrays of one shape and
+    dtype, block by block among the threads (the residual adds of Eq. 2-3, GELU's backward);
+    anything else, CuPy included, as a plain ufunc(a, b)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+            and a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous and a.size > BLOCK_ELEMENTS):
+        return ufunc(a, b)
+    out = np.empty_like(a)
+    a1, b1, o1 = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    for_each_block(lambda s: ufunc(a1[s], b1[s], out=o1[s]), flat_blocks(o1))
+    return out
+
+
 # A fresh temporary of a block's size (512 KiB) is often a new mmap whose pages fault in when first
 # written, which can triple the cost of the pass that fills it; the hot kernels (GELU, LayerNorm)
 # instead reuse a few block-sized arrays that each thread keeps for the next block.
