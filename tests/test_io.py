@@ -124,7 +124,7 @@ def test_interrupted_save_leaves_the_previous_file_and_no_temp_file(tmp_path, mo
             f.write(data[: len(data) // 2])
         raise error
 
-    monkeypatch.setattr(io, "_write_safetensors", crash_halfway)
+    monkeypatch.setattr(io.arrays, "_write_safetensors", crash_halfway)  # where save_arrays looks it up
     with pytest.raises(type(error)):
         io.save(make_model(seed=1), path)
     assert calls and os.path.dirname(calls[0]) == str(tmp_path) and calls[0] != str(path)

@@ -1,0 +1,151 @@
+"""Any {name: array} to and from one .safetensors file: the bottom layer of tinyvit.io.
+
+    save_arrays(path, arrays, metadata)     written atomically (temporary file, fsync, rename)
+    load_arrays(path) -> (arrays, metadata)
+
+Also the small file helpers the other modules share: ``_check_file`` (clear errors for a missing
+path or a directory), ``_sniff`` (a file's kind from its first bytes) and ``_contiguous``.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import zipfile
+from collections.abc import Mapping
+
+import numpy as np
+
+from .. import backend
+
+
+def _safetensors():
+    """The safetensors package, imported on first use (it is an optional dependency)."""
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as exc:  # pragma: no cover - the test environment has it
+        raise ImportError("checkpoints need the safetensors package: pip install safetensors "
+                          "(or pip install 'tinyvit[test]')") from exc
+    return safetensors
+
+
+def _contiguous(array) -> np.ndarray:
+    """A C-contiguous array (np.ascontiguousarray would turn a 0-d array into 1-d)."""
+    return np.asarray(array, order="C")
+
+
+def _host_array(value) -> np.ndarray:
+    """A C-contiguous NumPy array from a NumPy/CuPy array or a Tensor (safetensors needs host bytes)."""
+    from ..autograd import Tensor
+    value = value.data if isinstance(value, Tensor) else value
+    return _contiguous(backend.to_numpy(value))
+
+
+def _write_safetensors(path: str, arrays: dict, metadata: dict) -> None:
+    """Write ``arrays`` and ``metadata`` to ``path`` in the safetensors format (the one writer
+    ``save_arrays`` uses; tests replace it to simulate a crash halfway through)."""
+    _safetensors().numpy.save_file(arrays, path, metadata=metadata)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
+    """Write ``{name: array}`` and string ``metadata`` to a .safetensors file, atomically.
+
+    Arrays may be NumPy or CuPy arrays or Tensors; they are copied to the host. The file is first
+    written to a temporary file in the same directory, flushed and fsynced, and only then renamed
+    onto ``path`` (``os.replace`` is atomic), so ``path`` always holds either the old file or the
+    complete new one, never a torn mix. On any error the temporary file is removed.
+    """
+    path = os.fspath(path)
+    host = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            raise TypeError(f"save_arrays: array names must be strings, got {name!r}")
+        host[name] = _host_array(value)
+    metadata = dict(metadata or {})
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"save_arrays: metadata must map str to str, got {key!r}: {value!r} "
+                            "(encode other values with json.dumps)")
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save {path}: the directory {directory} does not exist")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    open(tmp, "xb").close()                  # claim a fresh name (normal permissions, never clobbers)
+    try:
+        _write_safetensors(tmp, host, metadata)
+        with open(tmp, "rb+") as f:          # the bytes are on disk before the rename makes them visible
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:                    # KeyboardInterrupt too: never leave the temporary file
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _check_file(path: str, what: str = "file") -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{what} {path} is a directory, not a file")
+
+
+
+def _sniff(path: str) -> str:
+    """'safetensors', 'npz', 'pickle' or 'unknown', from the file's first bytes (not its name)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:2] == b"PK":                                      # a zip: .npz, or torch.save's zip pickle
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except zipfile.BadZipFile:
+            return "unknown"
+        if names and all(n.endswith(".npy") for n in names):
+            return "npz"
+        return "pickle" if any(n.endswith(".pkl") for n in names) else "unknown"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):   # a pickle, protocol 2-5
+        return "pickle"
+    if len(head) == 9 and head[8:9] == b"{":                   # safetensors: u64 header length, then JSON
+        return "safetensors"
+    return "unknown"
+
+
+def load_arrays(path) -> tuple[dict, dict]:
+    """Read a .safetensors file: ({name: numpy array}, {metadata key: str}).
+
+    Raises FileNotFoundError naming a missing file, and ValueError("... is truncated or corrupted")
+    for a file whose header or length is not valid safetensors."""
+    path = os.fspath(path)
+    _check_file(path)
+    st = _safetensors()
+    try:
+        with st.safe_open(path, framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
+    except st.SafetensorError as exc:
+        kind = _sniff(path)
+        if kind in ("npz", "pickle"):
+            raise ValueError(f"{path} is a {kind} file, not safetensors; official .npz weights load with "
+                             "tinyvit.io.load_pretrained, and pickles are never loaded") from exc
+        raise ValueError(f"{path} is not a valid safetensors file: it is truncated or corrupted ({exc})") from exc
+    return arrays, metadata

@@ -1,0 +1,133 @@
+"""load_pretrained: any supported weights (ours, timm, the official .npz, a state dict) -> a ready model.
+
+    load_pretrained(path_or_state_dict, **config_overrides)
+    adapt_state_dict(state, old_config, new_config)   new head / new image size, for fine-tuning
+
+Pickles (PyTorch .pth) are refused with a recipe to convert them to safetensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from .arrays import _check_file, _sniff, load_arrays
+from .checkpoint import FORMAT, _finish, _split_checkpoint
+from .config import (_is_hybrid, config_from_official_npz, config_from_state_dict, config_from_timm_state_dict,
+                     hybrid_config_from_state_dict)
+from .foreign import _to_numpy
+from .official import from_official_npz, read_official_npz
+from .timm import from_timm_state_dict
+
+
+_PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never unpickles files: "
+                "unpickling runs code. If you trust it, convert it once with PyTorch:\n"
+                "    import torch, safetensors.torch\n"
+                "    sd = torch.load('{path}', map_location='cpu', weights_only=True)\n"
+                "    sd = sd.get('model', sd.get('state_dict', sd))\n"
+                "    safetensors.torch.save_file({{k: v.contiguous() for k, v in sd.items()}}, 'model.safetensors')\n"
+                "then load the .safetensors file.")
+
+
+def _read_source(source, hints: dict):
+    """(our state dict, arch, the config the checkpoint itself implies) for any source. ``hints``:
+    config fields the weights do not store (num_heads for timm, ...), used while inferring."""
+    from ..models import ARCHS, model_class
+    if isinstance(source, Mapping):
+        arrays, metadata, where = dict(source), {}, "state dict"
+    else:
+        where = os.fspath(source)
+        _check_file(where, "pretrained weights")
+        kind = _sniff(where)
+        if kind == "pickle":
+            raise ValueError(_PICKLE_HELP.format(path=where))
+        if kind == "npz":
+            arrays, metadata = read_official_npz(where), {}
+        elif kind == "safetensors":
+            arrays, metadata = load_arrays(where)
+        else:
+            raise ValueError(f"{where}: not a safetensors or .npz file (or truncated or corrupted)")
+
+    if metadata.get("format") == FORMAT:                      # our own checkpoint: the config is in it
+        state, _, _, arch, config = _split_checkpoint(where, arrays, metadata)
+        if arch not in ARCHS:
+            raise ValueError(f"{where}: unknown architecture {arch!r}; known: {sorted(ARCHS)}")
+        return state, arch, model_class(arch).config_class.from_dict(config)
+    if any(k.endswith("embedding/kernel") for k in arrays):   # the official Flax names
+        state = from_official_npz(arrays)
+        return state, "hybrid" if _is_hybrid(state) else "vit", config_from_official_npz(arrays, **hints)
+    kernel = arrays.get("patch_embed.proj.weight")
+    if kernel is not None and len(kernel.shape) == 4:         # timm / PyTorch layouts
+        arch = "hybrid" if _is_hybrid(arrays) else "vit"
+        return from_timm_state_dict(arrays), arch, config_from_timm_state_dict(arrays, **hints)
+    if kernel is not None and len(kernel.shape) == 2 and _is_hybrid(arrays):   # our names, a hybrid
+        state = {k: _to_numpy(v) for k, v in arrays.items()}
+        return state, "hybrid", hybrid_config_from_state_dict(state, **hints)
+    if kernel is not None and len(kernel.shape) == 2:         # already our names and layouts
+        c = hints.get("in_channels", 3)
+        p = hints.get("patch_size", int(round((kernel.shape[0] / c) ** 0.5)))
+        state = {k: _to_numpy(v) for k, v in arrays.items()}
+        return state, "vit", config_from_state_dict(state, p, c, **hints)
+    raise ValueError(f"{where}: not a ViT checkpoint tinyvit knows (no 'patch_embed.proj.weight' "
+                     "or 'embedding/kernel')")
+
+
+def adapt_state_dict(state: Mapping, old, new, resize_method: str = "bilinear") -> tuple[dict, list]:
+    """Fit a checkpoint's state dict (config ``old``) to a model of config ``new``, as the official
+    code's load_pretrained does for fine-tuning (vit_jax/checkpoint.py):
+
+    - another num_classes or representation_size: the head is dropped (the new model keeps its
+      zero-initialised head); another representation_size (None included) drops pre-logits too;
+    - another image size: the learned position embeddings are interpolated in 2-D to the new grid
+      (paper, section 3.2) with ``tinyvit.models.resize_pos_embed`` (bilinear as the official code,
+      or "bicubic" as timm).
+    Returns (new state dict, prefixes of the names the new model must initialise itself)."""
+    from ..models import resize_pos_embed
+    state, reset = dict(state), []
+    if old.representation_size != new.representation_size:
+        reset += ["pre_logits.", "head."]
+    elif old.num_classes != new.num_classes:
+        reset += ["head."]
+    state = {k: v for k, v in state.items() if not k.startswith(tuple(reset))}
+
+    old_grid, new_grid = old.grid_size, new.grid_size        # patches per side (hybrids: of the feature map)
+    if old_grid != new_grid:
+        if "pos_embed" in state and new.posemb == "learned-1d":
+            prefix = 1 if new.pool == "token" else 0
+            state["pos_embed"] = resize_pos_embed(state["pos_embed"], old_grid, new_grid,
+                                                  method=resize_method, num_prefix_tokens=prefix)
+        for name in ("pos_embed_row", "pos_embed_col"):       # learned-2d: two 1-D tables
+            if name in state and new.posemb == "learned-2d":
+                table = state[name][None]                      # (1, g, D/2): a g x 1 grid
+                state[name] = resize_pos_embed(table, (old_grid, 1), (new_grid, 1),
+                                               method=resize_method, num_prefix_tokens=0)[0]
+    return state, reset
+
+
+# Config fields that describe the new model rather than the weights: load_pretrained adapts the
+# weights to them instead of inferring them.
+_ADAPTABLE = ("num_classes", "representation_size", "image_size")
+
+
+def load_pretrained(source, *, device=None, dtype=None, resize_method: str = "bilinear",
+                    **config_overrides):
+    """Build a ViT from pretrained weights of any supported kind and load them; eval mode.
+
+    source: a path to an official .npz (google-research/vision_transformer), a tinyvit .safetensors,
+            a timm .safetensors (torch layouts), or a state dict (timm names in torch layouts,
+            official flat names, or ours). PyTorch pickles (.pth) are refused with a recipe to convert.
+    config_overrides: ViTConfig fields that differ from what the weights imply, typically
+            num_classes= (a new zero-initialised head for fine-tuning), image_size= (position
+            embeddings resized), num_heads= (not stored in timm weights), dropout rates.
+    device, dtype: as for ``load`` (dtype None: the checkpoint's own).
+    """
+    from ..models import from_config
+    hints = {k: v for k, v in config_overrides.items() if k not in _ADAPTABLE}
+    state, arch, old = _read_source(source, hints)
+    new = dataclasses.replace(old, **config_overrides)
+    state, reset = adapt_state_dict(state, old, new, resize_method)
+    model = from_config(arch, dataclasses.asdict(new))
+    for name, value in model.state_dict().items():             # the reset head keeps its init
+        if name not in state and name.startswith(tuple(reset)):
+            state[name] = value
+    return _finish(model, state, device, dtype)

@@ -1,0 +1,141 @@
+"""timm / PyTorch ViT state dicts: the names are ours, the layouts differ.
+
+    from_timm_state_dict(sd) -> our state dict      (torch tensors or arrays in; torch never imported)
+    to_timm_state_dict(state_or_model) -> timm's
+
+TIMM_VIT_LAYOUTS says, for each of our name templates, how timm stores the tensor; the patch
+embedding's conv kernel converts with conv_to_patch_weight / patch_to_conv_weight.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from .arrays import _contiguous
+from .foreign import _is_square, _match, _report_unknown, _to_numpy
+
+
+# Our name template -> how timm stores the tensor. The names are the same (ours follow timm);
+# "linear": PyTorch's (out, in) = our (in, out) transposed; "conv": the patch embedding's conv
+# kernel (D, C, P, P) = our (C*P*P, D); "same": identical. The hybrid model adds its entries here.
+TIMM_VIT_LAYOUTS = {
+    "patch_embed.proj.weight": "conv",
+    "patch_embed.proj.bias": "same",
+    "cls_token": "same",
+    "pos_embed": "same",
+    "blocks.{i}.norm1.weight": "same",
+    "blocks.{i}.norm1.bias": "same",
+    "blocks.{i}.attn.qkv.weight": "linear",     # (3D, D) <-> (D, 3D); q|k|v rows, heads within each
+    "blocks.{i}.attn.qkv.bias": "same",
+    "blocks.{i}.attn.proj.weight": "linear",
+    "blocks.{i}.attn.proj.bias": "same",
+    "blocks.{i}.norm2.weight": "same",
+    "blocks.{i}.norm2.bias": "same",
+    "blocks.{i}.mlp.fc1.weight": "linear",
+    "blocks.{i}.mlp.fc1.bias": "same",
+    "blocks.{i}.mlp.fc2.weight": "linear",
+    "blocks.{i}.mlp.fc2.bias": "same",
+    "norm.weight": "same",
+    "norm.bias": "same",
+    "pre_logits.fc.weight": "linear",
+    "pre_logits.fc.bias": "same",
+    "head.weight": "linear",
+    "head.bias": "same",
+    # The hybrid (timm's vit_base_r50_s16_224: HybridEmbed with a ResNetV2 backbone). Conv kernels
+    # are (out, in, kh, kw) in both; the 1x1 projection is patch_embed.proj above ("conv").
+    "patch_embed.backbone.stem.conv.weight": "same",
+    "patch_embed.backbone.stem.norm.weight": "same",
+    "patch_embed.backbone.stem.norm.bias": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.conv{k}.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.norm{k}.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.norm{k}.bias": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.conv.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.norm.weight": "same",
+    "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.norm.bias": "same",
+}
+
+_TIMM_HINT = ("timm features without a tinyvit equivalent (fc_norm, reg_token, layer scale 'ls1/ls2', "
+              "q/k norms, norm_pre) cannot be imported")
+
+
+def conv_to_patch_weight(kernel: np.ndarray) -> np.ndarray:
+    """A conv kernel (D, C, P, P) -> our patch embedding E (C*P*P, D)."""
+    return kernel.reshape(kernel.shape[0], -1).T
+
+
+def patch_to_conv_weight(weight: np.ndarray, in_channels: int) -> np.ndarray:
+    """Our patch embedding E (C*P*P, D) -> a conv kernel (D, C, P, P)."""
+    rows, dim = weight.shape
+    p = int(round((rows / in_channels) ** 0.5))
+    if in_channels * p * p != rows:
+        raise ValueError(f"patch embedding of shape {weight.shape} is not (C*P*P, D) with C={in_channels}; "
+                         "pass the model's in_channels")
+    return weight.T.reshape(dim, in_channels, p, p)
+
+
+def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
+    """A timm/PyTorch ViT state dict -> ours: {name: NumPy array} in our layouts.
+
+    Values may be torch tensors (converted with .detach().cpu().numpy(); torch is never imported
+    here) or arrays. Linear weights are transposed, the patch conv kernel flattened. Tensors we have
+    no place for raise a ValueError listing them (strict) or are dropped with a warning.
+    timm's ``no_embed_class`` models (position embeddings for the patches only, DeiT-III) get a zero
+    row for the class token, which is the same computation in our Eq. 1 order.
+    """
+    state, unknown = {}, []
+    for name, value in sd.items():
+        template, _ = _match(name, TIMM_VIT_LAYOUTS)
+        if template is None:
+            unknown.append(name)
+            continue
+        layout, array = TIMM_VIT_LAYOUTS[template], _to_numpy(value)
+        if layout == "conv":
+            array = _contiguous(conv_to_patch_weight(array))
+        elif layout == "linear":
+            array = _contiguous(array.T)
+        state[name] = array
+    _report_unknown(unknown, "from_timm_state_dict", strict, _TIMM_HINT)
+    pos = state.get("pos_embed")
+    if pos is not None and "cls_token" in state and _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
+        state["pos_embed"] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)  # no_embed_class
+    return state
+
+
+def _hybrid_embed_channels(state: Mapping) -> int | None:
+    """C', the channels of a hybrid's feature map (its backbone's last conv's output), or None for a ViT."""
+    convs = {}
+    for name in state:
+        m = re.fullmatch(r"patch_embed\.backbone\.(?:stem\.conv|stages\.(\d+)\.blocks\.(\d+)\.conv3)\.weight", name)
+        if m:
+            convs[(-1, -1) if m.group(1) is None else (int(m.group(1)), int(m.group(2)))] = name
+    return int(state[convs[max(convs)]].shape[0]) if convs else None
+
+
+def to_timm_state_dict(state, in_channels: int | None = None) -> dict:
+    """Our state dict (or a model) -> timm/PyTorch layouts, {name: NumPy array}.
+
+    in_channels is needed to fold the patch embedding back into (D, C, P, P); it is read from the
+    model when a model is given (for a hybrid, the ResNet's output channels, read from the state
+    too), and defaults to 3 otherwise."""
+    if hasattr(state, "state_dict"):
+        in_channels = in_channels or getattr(state.config, "feature_channels", state.config.in_channels)
+        state = state.state_dict()
+    in_channels = in_channels or _hybrid_embed_channels(state) or 3
+    out, unknown = {}, []
+    for name, value in state.items():
+        template, _ = _match(name, TIMM_VIT_LAYOUTS)
+        if template is None:
+            unknown.append(name)
+            continue
+        layout, array = TIMM_VIT_LAYOUTS[template], _to_numpy(value)
+        if layout == "conv":
+            array = patch_to_conv_weight(array, in_channels)
+        elif layout == "linear":
+            array = array.T
+        out[name] = _contiguous(array)
+    if unknown:
+        raise ValueError(f"to_timm_state_dict: timm's ViT has no tensors named {', '.join(unknown)} "
+                         "(e.g. learned-2d position embeddings)")
+    return out
