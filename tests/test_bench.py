@@ -162,3 +162,18 @@ print(resident_mib() - before)
                                        check=True).stdout) for mode in ("retain", "default")}
     assert kept["retain"] > 48, kept
     assert kept["default"] < 16, kept
+
+
+def test_import_sets_openblas_thread_timeout_unless_set():
+    """`import tinyvit` asks OpenBLAS's idle threads to sleep at once (before NumPy loads), and
+    leaves a value the user set alone."""
+    import os
+    import subprocess
+    import sys
+    code = "import os, tinyvit; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "4"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "28"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "28"
