@@ -203,41 +203,54 @@ def _gelu_block(x, y, d):
 
 
 class GELUTanh(Function):
-    """GELU with the tanh approximation of Phi (the original BERT/GPT-2 form; approximate="tanh").
+    """GELU with the tanh approximation of Phi (the original BERT/GPT-2 form; approximate="tanh",
+    and the official ViT code's, whose flax nn.gelu defaults to it).
 
     x: any shape -> y: same shape
       y = x (1 + tanh(u)) / 2,  u = sqrt(2/pi) (x + 0.044715 x^3)
       dy/dx = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2,  t = tanh(u)
+    As GELU: forward computes dy/dx too, block by block, and saves only that.
     """
 
     def forward(self, x):
         xp = get_array_module(x)
-        t = x * x
-        t *= _TANH_C
-        t += 1.0
-        t *= x
-        t *= _SQRT_2_OVER_PI
-        xp.tanh(t, out=t)
-        self.save(x, t)
-        y = t + 1.0
-        y *= x
-        y *= 0.5
-        return y
+        x1 = x.reshape(-1)
+        y = xp.empty_like(x1)
+        d = xp.empty_like(x1) if self.needs_input_grad[0] else None            # dy/dx
+        for_each_block(lambda b: _gelu_tanh_block(x1[b], y[b], None if d is None else d[b]), flat_blocks(x1))
+        self.save(d)
+        return y.reshape(x.shape)
 
     def backward(self, gy):
-        x, t = self.saved
-        du = x * x
-        du *= 3.0 * _TANH_C
-        du += 1.0
-        du *= _SQRT_2_OVER_PI        # du/dx
-        d = t * t
-        d -= 1.0
-        d *= du
-        d *= -x                      # x (1 - t^2) du/dx
-        d += 1.0 + t
-        d *= 0.5
-        d *= gy
-        return d
+        (d,) = self.saved
+        return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+
+
+def _gelu_tanh_block(x, y, d):
+    """y = x (1 + t) / 2 and, unless d is None, d = dy/dx, on one block; t = tanh(x (a + b x^2))
+    with a = sqrt(2/pi), b = 0.044715 a. Temporaries in the thread's scratch arrays."""
+    xp = get_array_module(x)
+    a, b = _SQRT_2_OVER_PI, _SQRT_2_OVER_PI * _TANH_C
+    x2, t = scratch("gelu_tanh", 2, x)
+    with np.errstate(over="ignore", invalid="ignore"):   # |x| > 1e19 in float32: x^2 is inf
+        xp.multiply(x, x, out=x2)
+        xp.multiply(x2, b, out=t)
+        t += a
+        t *= x                                 # u
+        xp.tanh(t, out=t)                      # t = tanh(u)
+        xp.add(t, 1.0, out=y)
+        y *= x
+        y *= 0.5
+        if d is not None:
+            x2 *= 3.0 * b
+            x2 += a                            # du/dx = a + 3 b x^2
+            x2 *= x
+            xp.multiply(t, t, out=d)
+            xp.subtract(1.0, d, out=d)         # 1 - t^2
+            d *= x2                            # x (1 - t^2) du/dx
+            d += t
+            d += 1.0
+            d *= 0.5
 
 
 # ---------------------------------------------------------------- softmax and log-softmax
