@@ -1,6 +1,7 @@
 """`tinyvit bench` (tinyvit.bench): the report's fields on a tiny model, 1 warmup + 1 timed step.
 No timing is asserted: speed is measured by running the command, never by tests."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -177,3 +178,17 @@ def test_import_sets_openblas_thread_timeout_unless_set():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "28"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "28"
+
+
+def test_compare_makes_pytorch_threads_sleep_when_idle(torch):
+    """With --compare torch in a fresh process, PyTorch is loaded with OMP_WAIT_POLICY=PASSIVE
+    (unless set), and the report says so."""
+    import subprocess
+    import sys
+    code = ("import json; from tinyvit.bench import run_benchmark; "
+            "r = run_benchmark(model='vit-cifar/4', model_args=dict(dim=16, depth=1, num_heads=2, mlp_dim=32), "
+            "batch_size=2, steps=1, warmup=0, compare='torch', peak_tflops=1.0); "
+            "import os; print(json.dumps([r['machine']['env'].get('OMP_WAIT_POLICY'), os.environ['OMP_WAIT_POLICY']]))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["PASSIVE", "PASSIVE"]

@@ -370,6 +370,14 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
     # `tinyvit train` does): neither pays page faults for re-allocating its arrays every step.
     from .ops.common import retain_freed_memory
     report["machine"]["retain_freed_memory"] = retain_freed_memory()
+    # And the idle threads of both sleep at once, so that neither side's spinning threads take cores
+    # from the other's timed steps: tinyvit's OpenBLAS threads (OPENBLAS_THREAD_TIMEOUT=4, set by
+    # `import tinyvit`) and PyTorch's OpenMP threads, which otherwise spin after each parallel region
+    # (measured: tinyvit's steps after PyTorch's rounds were up to 1.6x slower; PyTorch's own steps
+    # did not change). Read when PyTorch loads, so only if it has not been imported yet.
+    if compare == "torch" and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        report["machine"]["env"]["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
     sides = {}                               # name -> [step, sync, losses, walls, cpus, memory]
     with contextlib.ExitStack() as settings:
         report["blas_threads"] = settings.enter_context(cpu_threads(threads))
