@@ -27,10 +27,10 @@ def cmd_bench(args) -> int:
     """Time the training step (forward, cross-entropy, backward, AdamW) and print the report."""
     from ..bench import format_report, run_benchmark
     if args.compare == "torch":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise UsageError("--compare torch needs PyTorch: pip install 'tinyvit[reference]'") from None
+        import importlib.util
+        # Found, not imported: run_benchmark sets PyTorch's thread settings before it loads.
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError("--compare torch needs PyTorch: pip install 'tinyvit[reference]'")
     try:
         report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                                tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
