@@ -165,13 +165,17 @@ class GELU(Function):
         x1 = x.reshape(-1)
         y = xp.empty_like(x1)
         d = xp.empty_like(x1) if self.needs_input_grad[0] else None            # dy/dx
-        for_each_block(lambda b: _gelu_block(x1[b], y[b], None if d is None else d[b]), flat_blocks(x1))
+        for_each_block(lambda b: self._block(x1[b], y[b], None if d is None else d[b]), flat_blocks(x1))
         self.save(d)
         return y.reshape(x.shape)
 
     def backward(self, gy):
         (d,) = self.saved
         return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+
+    @staticmethod
+    def _block(x, y, d):
+        _gelu_block(x, y, d)
 
 
 def _normal_cdf(x):
@@ -202,28 +206,19 @@ def _gelu_block(x, y, d):
             xp.add(z, cdf, out=d)
 
 
-class GELUTanh(Function):
+class GELUTanh(GELU):
     """GELU with the tanh approximation of Phi (the original BERT/GPT-2 form; approximate="tanh",
     and the official ViT code's, whose flax nn.gelu defaults to it).
 
     x: any shape -> y: same shape
       y = x (1 + tanh(u)) / 2,  u = sqrt(2/pi) (x + 0.044715 x^3)
       dy/dx = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2,  t = tanh(u)
-    As GELU: forward computes dy/dx too, block by block, and saves only that.
+    GELU's forward and backward with another block: forward computes dy/dx too and saves only that.
     """
 
-    def forward(self, x):
-        xp = get_array_module(x)
-        x1 = x.reshape(-1)
-        y = xp.empty_like(x1)
-        d = xp.empty_like(x1) if self.needs_input_grad[0] else None            # dy/dx
-        for_each_block(lambda b: _gelu_tanh_block(x1[b], y[b], None if d is None else d[b]), flat_blocks(x1))
-        self.save(d)
-        return y.reshape(x.shape)
-
-    def backward(self, gy):
-        (d,) = self.saved
-        return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+    @staticmethod
+    def _block(x, y, d):
+        _gelu_tanh_block(x, y, d)
 
 
 def _gelu_tanh_block(x, y, d):
