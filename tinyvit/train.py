@@ -195,15 +195,18 @@ class Classification:
 
 def build_model(cfg: TrainConfig, dataset):
     """The model named by cfg.model (or the preset for the dataset's image shape), sized for the data."""
-    from .models import create
     name = cfg.model or PRESET_BY_SHAPE.get((dataset.image_size, dataset.channels))
     if name is None:
         raise ValueError(f"no preset fits {dataset.channels}-channel {dataset.image_size}x{dataset.image_size} "
                          f"images; pass --model (see `tinyvit models`) and --model-arg image_size=...")
-    overrides = dict(image_size=dataset.image_size, in_channels=dataset.channels,
-                     num_classes=dataset.num_classes, drop_path=cfg.drop_path)
-    overrides.update(cfg.model_args)
-    return create(name, **overrides)
+    return create_for_dataset(name, dataset, **{"drop_path": cfg.drop_path, **cfg.model_args})
+
+
+def create_for_dataset(name: str, dataset, **overrides):
+    """The named model sized for the dataset: its image size, channels and classes (overrides win)."""
+    from .models import create
+    sized = dict(image_size=dataset.image_size, in_channels=dataset.channels, num_classes=dataset.num_classes)
+    return create(name, **{**sized, **overrides})
 
 
 def load_data(name: str, data_dir=None, dataset_args: dict | None = None):

@@ -97,11 +97,10 @@ def _random_model(args, ds):
     """The baseline of a pre-trained checkpoint: the same architecture, untrained (the official
     initialisation, seeded by --seed), sized for the dataset, in eval mode."""
     from .. import backend
-    from ..models import create
+    from ..train import create_for_dataset
     from . import model_args
     backend.manual_seed(args.seed)
-    overrides = dict(image_size=ds.image_size, in_channels=ds.channels, num_classes=ds.num_classes)
-    model = create(args.random_init, **{**overrides, **model_args(args.model_arg)})
+    model = create_for_dataset(args.random_init, ds, **model_args(args.model_arg))
     model.to(args.device)
     model.eval()
     return model
