@@ -132,6 +132,53 @@ def test_gelu_torch_parity(torch, rng, dtype, rtol, approximate):
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 3, 4)])
+def test_gelu_with_bias_gradcheck(xp, rng, shape, approximate):
+    """gelu(x, bias=b), the MLP's fc1 bias fused into GELU: gradients of x and b (random upstream)."""
+    x, b = param(xp, rng, *shape, scale=2.0), param(xp, rng, shape[-1])
+    tv.gradcheck(lambda t, c: F.gelu(t, approximate=approximate, bias=c), [x, b])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gelu_with_bias_equals_gelu_of_the_sum(xp, rng, dtype, approximate):
+    """Over several row blocks (and a ragged last one) and every thread count: the fused form gives
+    gelu(x + b) and its gradients, with dL/db the row sums of dL/dx."""
+    from tinyvit.ops import common
+    h = 96
+    rows = 3 * common.BLOCK_ELEMENTS // h + 7
+    x64, b64 = rng.standard_normal((rows, h)) * 2, rng.standard_normal(h)
+    g = xp.asarray(rng.standard_normal((rows, h)), dtype=dtype)
+    previous = common._num_threads
+    try:
+        for threads in (1, 2):
+            common.set_num_threads(threads)
+            x = tv.Tensor(xp.asarray(x64, dtype=dtype), requires_grad=True)
+            b = tv.Tensor(xp.asarray(b64, dtype=dtype), requires_grad=True)
+            y = F.gelu(x, approximate=approximate, bias=b)
+            y.backward(g)
+            x2 = tv.Tensor(xp.asarray(x64, dtype=dtype), requires_grad=True)
+            b2 = tv.Tensor(xp.asarray(b64, dtype=dtype), requires_grad=True)
+            y2 = F.gelu(x2 + b2, approximate=approximate)
+            y2.backward(g)
+            tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-5)
+            assert y.dtype == dtype and x.grad.dtype == dtype and b.grad.dtype == dtype
+            assert_close(y, to_numpy(y2.data), what="gelu(x, bias=b) vs gelu(x + b)", **tol)
+            assert_close(x.grad, to_numpy(x2.grad), what="dL/dx", **tol)
+            assert_close(b.grad, to_numpy(b2.grad), what="dL/db", rtol=tol["rtol"], atol=1e-3 if dtype == np.float32 else 1e-10)
+    finally:
+        common.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_with_bias_torch_parity(torch, rng, dtype, rtol, approximate):
+    x, b = rng.standard_normal((6, 17)) * 3, rng.standard_normal(17)
+    torch_parity(torch, lambda t, c: F.gelu(t, approximate=approximate, bias=c),
+                 lambda t, c: torch.nn.functional.gelu(t + c, approximate=approximate), [x, b], dtype, rtol)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_far_tails_are_finite(approximate):
     x = tv.Tensor(np.array([-1e4, -50.0, 50.0, 1e4], dtype=np.float32), requires_grad=True)
     y = F.gelu(x, approximate=approximate)
@@ -256,6 +303,10 @@ def test_bad_input_errors():
         F.gelu(x, approximate="exact")
     with pytest.raises(TypeError, match=r"gelu: x must be a floating-point array, got dtype int64"):
         F.gelu(np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"gelu: bias must have shape \(3,\).*x of shape \(2, 3\); got \(2,\)"):
+        F.gelu(x, bias=np.zeros(2))
+    with pytest.raises(TypeError, match=r"gelu: inputs must share one floating dtype"):
+        F.gelu(x, bias=np.zeros(3, dtype=np.float32))
     with pytest.raises(ValueError, match=r"softmax: axis 2 is not an axis of an input of shape \(2, 3\)"):
         F.softmax(x, axis=2)
     with pytest.raises(ValueError, match=r"log_softmax: axis -3 is not an axis"):

@@ -65,7 +65,8 @@ class LayerNorm(Module):
 
 
 class GELU(Module):
-    """GELU(x) = x * Phi(x) (approximate="none", exact erf) or its tanh approximation ("tanh")."""
+    """GELU(x) = x * Phi(x) (approximate="none", exact erf) or its tanh approximation ("tanh");
+    called with a bias (H,), GELU(x + bias) in one pass."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()
@@ -73,8 +74,8 @@ class GELU(Module):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, x):
-        return F.gelu(x, approximate=self.approximate)
+    def forward(self, x, bias=None):
+        return F.gelu(x, approximate=self.approximate, bias=bias)    # of x + bias when given
 
     def extra_repr(self):
         return f"approximate={self.approximate!r}"
@@ -192,7 +193,9 @@ class MLP(Module):
         init.normal_(self.fc2.bias, std=1e-6)
 
     def forward(self, x):
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        # fc1's bias is added by GELU, block by block in the cache, instead of in a pass of its own
+        h = self.act(F.linear(x, self.fc1.weight), bias=self.fc1.bias)
+        return self.drop2(self.fc2(self.drop1(h)))
 
 
 class Conv2d(Module):

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import binary_same_shape, blockwise, flat_blocks, for_each_block, require_float, scratch, shape_of
+from .common import (binary_same_shape, blockwise, column_sums, for_each_block, require_float, require_same_dtype,
+                     row_blocks, scratch, shape_of)
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -149,29 +150,56 @@ def _normal_cdf_tanh32(x, z, out):
 
 
 class GELU(Function):
-    """Gaussian error linear unit (Hendrycks & Gimpel 2016), the MLP non-linearity of ViT (Eq. 3).
+    """Gaussian error linear unit (Hendrycks & Gimpel 2016), the MLP non-linearity of ViT (Eq. 3),
+    optionally of x plus a bias: the MLP's first Dense layer leaves its bias to GELU, which adds it
+    to each block of rows while the block is in the cache (one pass over memory less each way).
 
-    x: any shape -> y: same shape
-      y = x Phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2  (the standard normal CDF)
-      dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+    x: (..., H)   bias: (H,) or None   ->   y: same shape as x
+      y = h Phi(h),  h = x + bias,  Phi(h) = (1 + erf(h / sqrt 2)) / 2  (the standard normal CDF)
+      dy/dh = Phi(h) + h phi(h),  phi(h) = exp(-h^2 / 2) / sqrt(2 pi)
+      dL/dx = gy dy/dh,  dL/dbias = sum over rows of dL/dx
 
-    When x wants a gradient, forward computes dy/dx too and saves only that: the derivative needs
-    Phi(x) and x^2, which forward has at hand, and backward is then a single product. Forward runs
-    block by block (ops.common.for_each_block), so its temporaries stay in the CPU cache.
+    When x wants a gradient, forward computes dy/dh too and saves only that: the derivative needs
+    Phi(h) and h^2, which forward has at hand, and backward is then a single product. Both passes
+    run over cache-sized blocks of rows (ops.common.for_each_block) shared among the threads.
     """
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
         xp = get_array_module(x)
-        x1 = x.reshape(-1)
-        y = xp.empty_like(x1)
-        d = xp.empty_like(x1) if self.needs_input_grad[0] else None            # dy/dx
-        for_each_block(lambda b: self._block(x1[b], y[b], None if d is None else d[b]), flat_blocks(x1))
-        self.save(d)
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)     # (R, H)
+        y = xp.empty_like(x2)
+        d = xp.empty_like(x2) if any(self.needs_input_grad) else None     # dy/dh
+
+        def block(r):
+            h = x2[r]
+            if bias is not None:
+                (h,) = scratch("gelu_bias", 1, h)
+                xp.add(x2[r], bias, out=h)
+            self._block(h, y[r], None if d is None else d[r])
+
+        for_each_block(block, row_blocks(x2))
+        self.save(d, bias is not None)
         return y.reshape(x.shape)
 
     def backward(self, gy):
-        (d,) = self.saved
-        return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+        d, has_bias = self.saved
+        if not has_bias:
+            return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+        xp = get_array_module(d)
+        g2 = gy.reshape(d.shape)
+        gx = xp.empty_like(d)
+
+        def block(r):                                   # dL/dx, and this block's share of dL/dbias
+            xp.multiply(g2[r], d[r], out=gx[r])
+            return column_sums(gx[r]) if self.needs_input_grad[1] else None
+
+        parts = for_each_block(block, row_blocks(gx))
+        gb = None
+        if self.needs_input_grad[1]:                    # the blocks' sums added in block order
+            gb = parts[0].copy()
+            for part in parts[1:]:
+                gb += part
+        return gx.reshape(gy.shape), gb
 
     @staticmethod
     def _block(x, y, d):
@@ -294,13 +322,21 @@ class LogSoftmax(Function):
 # ---------------------------------------------------------------- the functions users call
 
 
-def gelu(x, approximate="none"):
-    """GELU, y = x Phi(x): exact with approximate="none" (erf), the tanh form with approximate="tanh"."""
-    require_float("gelu", x=x)
+def gelu(x, approximate="none", bias=None):
+    """GELU, y = h Phi(h) with h = x (+ bias): exact with approximate="none" (erf), the tanh form
+    with approximate="tanh". bias: (H,) for x (..., H), or None; gelu(x, bias=b) equals gelu(x + b)
+    in one pass (the MLP's fc1 bias)."""
+    require_float("gelu", x=x, bias=bias)
+    require_same_dtype("gelu", x=x, bias=bias)
+    if bias is not None:
+        sx = shape_of(x)
+        if not sx or shape_of(bias) != sx[-1:]:
+            raise ValueError(f"gelu: bias must have shape ({sx[-1] if sx else 'H'},), one per entry of x's "
+                             f"last axis, for x of shape {sx}; got {shape_of(bias)}")
     if approximate == "none":
-        return GELU.apply(x)
+        return GELU.apply(x, bias)
     if approximate == "tanh":
-        return GELUTanh.apply(x)
+        return GELUTanh.apply(x, bias)
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
