@@ -129,7 +129,12 @@ def _sum_to_shape(g, shape):
 
 def _accumulate(existing, g):
     # Out of place on purpose: a gradient array may be shared (add passes gy to both inputs).
-    return g if existing is None else existing + g
+    # Large NumPy arrays are added block by block among the ops' threads (the residual stream's
+    # two gradients meet here once per block of the model).
+    if existing is None:
+        return g
+    from .ops.common import binary_same_shape   # here, not at the top: tinyvit.ops imports this module
+    return binary_same_shape(np.add, existing, g)
 
 
 class Tensor:
