@@ -8,7 +8,7 @@ import tinyvit as tv
 import tinyvit.functional as F
 from tinyvit.backend import random_uniform, to_numpy
 
-from helpers import assert_close, const, param, torch_parity
+from helpers import assert_close, const, torch_parity
 
 
 # ---------------------------------------------------------------- a plain NumPy reference, head by head
@@ -108,6 +108,28 @@ def test_gradcheck_with_fewer_queries(xp, rng, b, n, d, heads, m):
 
     tv.get_array_module(xp.zeros(1))
     tv.gradcheck(dropped, inputs)
+
+
+@pytest.mark.parametrize("which", range(5))
+def test_gradcheck_fewer_queries_one_input_at_a_time(xp, rng, which):
+    """M < N takes its own path (q from the M asking rows, k and v from all N): each input alone."""
+    inputs = [tv.Tensor(xp.asarray(a), requires_grad=(i == which)) for i, a in enumerate(arrays(rng, 2, 4, 6))]
+    tv.gradcheck(lambda *t: F.multi_head_attention(*t, 2, num_queries=2), inputs)
+    for i, t in enumerate(inputs):
+        assert (t.grad is None) == (i != which)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_gradcheck_fewer_queries_without_biases(xp, rng, m):
+    x, w_qkv, _, w_proj, _ = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 4, 6)]
+    tv.gradcheck(lambda x, wq, wp: F.multi_head_attention(x, wq, None, wp, None, 3, num_queries=m),
+                 [x, w_qkv, w_proj])
+
+
+def test_gradcheck_fewer_queries_attention_map_alone(xp, rng):
+    """Only the (B, H, M, N) map feeds the loss: no output gradient reaches backward."""
+    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 5, 6)]
+    tv.gradcheck(lambda *t: F.multi_head_attention(*t, 2, return_attention=True, num_queries=2)[1], inputs)
 
 
 @pytest.mark.parametrize("m", [1, 3, 5])
