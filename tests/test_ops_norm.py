@@ -104,6 +104,144 @@ def test_a_wrong_backward_is_caught(xp, rng):
         tv.gradcheck(lambda x: BrokenLayerNorm.apply(x, w, b, 1e-6), [x])
 
 
+# ---------------------------------------------------------------- add_layer_norm (residual add + LN)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 7), (1, 1, 4)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_add_layer_norm_gradcheck_every_input(xp, rng, shape, affine):
+    """Both outputs (s = x + branch and y = LN(s)) get a random upstream gradient."""
+    d = shape[-1]
+    x, branch = param(xp, rng, *shape, scale=2.0), param(xp, rng, *shape)
+    if affine:
+        w, b = param(xp, rng, d), param(xp, rng, d)
+        tv.gradcheck(lambda x, r, w, b: F.add_layer_norm(x, r, w, b), [x, branch, w, b])
+    else:
+        tv.gradcheck(lambda x, r: F.add_layer_norm(x, r, None, None), [x, branch])
+
+
+@pytest.mark.parametrize("which", ["s", "y"])
+def test_add_layer_norm_gradcheck_one_output_used(xp, rng, which):
+    """Only the residual stream s, or only the normalised y, feeds the loss."""
+    x, branch, w, b = (param(xp, rng, 2, 3, 6), param(xp, rng, 2, 3, 6), param(xp, rng, 6), param(xp, rng, 6))
+    pick = 0 if which == "s" else 1
+    tv.gradcheck(lambda x, r, w, b: F.add_layer_norm(x, r, w, b)[pick], [x, branch, w, b])
+    if which == "s":                    # LN's parameters are not on the path of s
+        assert w.grad is None and b.grad is None
+
+
+@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_layer_norm_equals_add_then_layer_norm(rng, dtype, rtol, atol, threads):
+    """Values and every gradient equal those of x + branch followed by layer_norm, on an array of
+    several cache blocks (rows of 192, as vit-cifar's) shared among 1 or 2 threads."""
+    from tinyvit.ops import common
+    shape = (6, 1000, 192)                                   # 6000 rows: several blocks
+    arrays = [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(shape),
+              rng.standard_normal(192), rng.standard_normal(192)]
+    gs, gy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    results = []
+    previous = common.get_num_threads()
+    common.set_num_threads(threads)
+    try:
+        for fused in (True, False):
+            ins = [tv.Tensor(np.asarray(a, dtype=dtype), requires_grad=True) for a in arrays]
+            if fused:
+                s, y = F.add_layer_norm(*ins)
+            else:
+                s = ins[0] + ins[1]
+                y = F.layer_norm(s, ins[2], ins[3])
+            (s * tv.Tensor(gs)).sum().backward(retain_graph=True)
+            y.backward(gy)
+            results.append([s.data, y.data] + [t.grad for t in ins])
+    finally:
+        common.set_num_threads(previous)
+    names = ["s", "y", "dx", "dbranch", "dweight", "dbias"]
+    for name, a, b in zip(names, *results):
+        assert a.dtype == dtype, name
+        assert_close(a, b, rtol=rtol, atol=atol * (100 if name in ("dweight", "dbias") else 1), what=name)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])
+def test_add_layer_norm_torch_parity(torch, rng, dtype, rtol):
+    x, r = rng.standard_normal((2, 5, 12)) * 3 + 1, rng.standard_normal((2, 5, 12))
+    w, b = rng.standard_normal(12), rng.standard_normal(12)
+
+    def ours(x, r, w, b):
+        s, y = F.add_layer_norm(x, r, w, b)
+        return F.concat([s, y], axis=0)                    # both outputs under one upstream gradient
+
+    def theirs(x, r, w, b):
+        s = x + r
+        return torch.cat([s, torch.nn.functional.layer_norm(s, (12,), w, b, eps=1e-6)], dim=0)
+
+    torch_parity(torch, ours, theirs, [x, r, w, b], dtype, rtol)
+
+
+def test_add_layer_norm_errors(rng):
+    x = np.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match="branch must have x's shape"):
+        F.add_layer_norm(x, np.zeros((2, 1, 4)), None, None)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        F.add_layer_norm(x, x, np.ones(3), None)
+    with pytest.raises(TypeError):
+        F.add_layer_norm(x, x.astype(np.float32), None, None)
+
+
+def test_a_wrong_add_layer_norm_backward_is_caught(xp, rng):
+    """Dropping the residual's own gradient from dL/dx is rejected by the gradient check."""
+
+    class Broken(norm_ops.AddLayerNorm):
+        def backward(self, gs, gy):
+            return super().backward(None, gy)
+
+    x, r = param(xp, rng, 2, 5), param(xp, rng, 2, 5)
+    with pytest.raises(GradcheckError):
+        tv.gradcheck(lambda x, r: Broken.apply(x, r, None, None, 1e-6), [x, r])
+
+
+# ---------------------------------------------------------------- fold_norm_affine
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fold_norm_affine_gradcheck(xp, rng, with_bias):
+    g, beta, w = param(xp, rng, 5), param(xp, rng, 5), param(xp, rng, 5, 7)
+    ins = [g, beta, w] + ([param(xp, rng, 7)] if with_bias else [])
+    tv.gradcheck(lambda *a: F.fold_norm_affine(*a, *([] if with_bias else [None])), ins)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_folded_linear_equals_norm_then_linear(xp, rng, with_bias):
+    """linear(layer_norm(x, None, None), w', b') with (w', b') = fold(...) equals
+    linear(layer_norm(x, gamma, beta), W, bias): values and every gradient (float64)."""
+    arrays = [rng.standard_normal((3, 4, 6)) * 2, rng.standard_normal(6), rng.standard_normal(6),
+              rng.standard_normal((6, 5)), rng.standard_normal(5) if with_bias else None]
+    upstream = rng.standard_normal((3, 4, 5))
+    grads = []
+    for folded in (True, False):
+        x, g, beta, w, b = [None if a is None else tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays]
+        if folded:
+            w2, b2 = F.fold_norm_affine(g, beta, w, b)
+            y = F.linear(F.layer_norm(x, None, None), w2, b2)
+        else:
+            y = F.linear(F.layer_norm(x, g, beta), w, b)
+        y.backward(xp.asarray(upstream))
+        grads.append([y] + [t.grad for t in (x, g, beta, w, b) if t is not None])
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert_close(a, to_numpy(getattr(b, "data", b)), rtol=1e-10, atol=1e-12, what=f"item {i}")
+
+
+def test_fold_norm_affine_errors():
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        F.fold_norm_affine(np.ones(3), np.ones(3), np.ones(3), None)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        F.fold_norm_affine(np.ones(4), np.ones(3), np.ones((3, 2)), None)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        F.fold_norm_affine(np.ones(3), np.ones(3), np.ones((3, 2)), np.ones(3))
+    with pytest.raises(ValueError, match="are required"):
+        F.fold_norm_affine(None, np.ones(3), np.ones((3, 2)), None)
+
+
 # ---------------------------------------------------------------- group_norm
 
 GN_CASES = [((2, 6, 3, 5), 3), ((1, 4, 1, 1), 2), ((3, 4), 2), ((2, 6, 5), 1), ((2, 3, 2, 2), 3),

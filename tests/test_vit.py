@@ -241,6 +241,51 @@ def test_last_block_computes_only_the_class_token_with_the_same_result():
         np.testing.assert_allclose(grads[0][1][name], grads[1][1][name], rtol=1e-10, atol=1e-13, err_msg=name)
 
 
+def _plain_encoder(model, tokens):
+    """Eq. 2-4 written plainly, with no fused op: x = x + MSA(LN(x)); x = x + MLP(LN(x)); LN(x)."""
+    x = tokens
+    for block in model.blocks:
+        ln1 = F.layer_norm(x, block.norm1.weight, block.norm1.bias, eps=block.norm1.eps)
+        x = x + F.multi_head_attention(ln1, block.attn.qkv.weight, block.attn.qkv.bias, block.attn.proj.weight,
+                                       block.attn.proj.bias, block.attn.num_heads)
+        ln2 = F.layer_norm(x, block.norm2.weight, block.norm2.bias, eps=block.norm2.eps)
+        mlp = block.mlp
+        x = x + F.linear(F.gelu(F.linear(ln2, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
+    return F.layer_norm(x, model.norm.weight, model.norm.bias, eps=model.norm.eps)
+
+
+@pytest.mark.parametrize("which", ["encode", "block"])
+def test_fused_encoder_equals_the_plain_equations(which):
+    """The encoder fuses each residual add with the LayerNorm after it and folds the LNs' scale and
+    shift into qkv and fc1 (float64): its output and every parameter's gradient equal Eq. 2-4
+    written with separate ops. "block": Block.forward on its own, then the final norm."""
+    rng = np.random.default_rng(7)
+    results = []
+    for plain in (True, False):
+        model = build(depth=3)
+        for p in model.parameters():                 # non-trivial LN affines and biases
+            p.data[...] = rng.standard_normal(p.shape) * 0.5 + (1.0 if p.ndim == 1 else 0.0)
+        tokens = tv.Tensor(rng.standard_normal((2, model.config.num_patches + 1, model.config.dim)),
+                           requires_grad=True)
+        if plain:
+            out = _plain_encoder(model, tokens)
+        elif which == "encode":
+            out = model.encode(tokens)
+        else:
+            x = tokens
+            for block in model.blocks:
+                x = block(x)
+            out = model.norm(x)
+        out.backward(rng.standard_normal(out.shape))
+        encoder = [(n, p) for n, p in model.named_parameters() if n.startswith(("blocks.", "norm."))]
+        assert all(p.grad is not None for _, p in encoder)
+        results.append([("output", out.data), ("d tokens", tokens.grad)] + [(n, p.grad) for n, p in encoder])
+        rng = np.random.default_rng(7)               # the same parameters and inputs for both
+    assert [n for n, _ in results[0]] == [n for n, _ in results[1]]
+    for (name, a), (_, b) in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 # ====================================================================== 4. the paper's initialisation
 
 

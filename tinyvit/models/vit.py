@@ -151,15 +151,31 @@ class Block(nn.Module):
         """keep: compute the block's output for the first ``keep`` tokens only, (B, keep, D): they
         attend to every token, but no other token's output is computed (ViT's last block, whose
         output only the class token's row is read from). None: all tokens."""
+        x_hat = F.layer_norm(x, None, None, eps=self.norm1.eps)   # LN1 without its affine: folded into qkv
+        out = self.forward_unfinished(x, x_hat, return_attention=return_attention, keep=keep)
+        x, branch = out[0], out[1]
+        x = x + branch                                              # Eq. 3's residual add
+        return (x, out[2]) if return_attention else x
+
+    def forward_unfinished(self, x, x_hat, return_attention=False, keep=None):
+        """The block but for its last residual add, for a caller that fuses that add with the
+        LayerNorm after it (ViT.encode): returns (x', branch[, attention]) with the block's output
+        x' + branch. x_hat: LN1's standardisation of x, (x - mean) / std without its scale and
+        shift, which are folded into the qkv weights (and LN2's into fc1's):
+
+            x' = x + MSA(LN1(x))                          Eq. 2
+            branch = MLP(LN2(x'))                         Eq. 3 (the caller adds it to x')
+        """
         attn = None
-        h = self.attn(self.norm1(x), return_attention=return_attention, num_queries=keep)
+        h = self.attn(x_hat, return_attention=return_attention, num_queries=keep, norm=self.norm1)
         if return_attention:
             h, attn = h
         if keep is not None:
             x = x[:, :keep]
-        x = x + self.drop_path(h)                                   # Eq. 2
-        x = x + self.drop_path(self.mlp(self.norm2(x)))             # Eq. 3
-        return (x, attn) if return_attention else x
+        # Eq. 2's residual add and LN2's standardisation in one pass over memory each way
+        x, x_hat = F.add_layer_norm(x, self.drop_path(h), None, None, eps=self.norm2.eps)
+        branch = self.drop_path(self.mlp(x_hat, norm=self.norm2))
+        return (x, branch, attn) if return_attention else (x, branch)
 
 
 class PreLogits(nn.Module):
@@ -280,18 +296,27 @@ class ViT(nn.Module):
     # ----- Eq. 2-4 -----
     def encode(self, tokens, return_attention=False, keep=None):
         """The L blocks and the final LayerNorm. (B, T, D) -> (B, T, D) [, list of (B, H, T, T)].
-        keep: the last block computes only the first ``keep`` tokens' outputs: (B, keep, D)."""
+        keep: the last block computes only the first ``keep`` tokens' outputs: (B, keep, D).
+
+        The same as ``for block in blocks: x = block(x)`` then ``norm(x)``, with each block's last
+        residual add fused with the LayerNorm that reads its result (the next block's LN1, or the
+        final norm): F.add_layer_norm normalises each block of rows while it is in the cache. The
+        LN1s are standardisations only; their scale and shift are folded into the qkv weights."""
+        if not len(self.blocks):
+            return (self.norm(tokens), []) if return_attention else self.norm(tokens)
         attentions = []
         last = len(self.blocks) - 1
+        x, x_hat = tokens, F.layer_norm(tokens, None, None, eps=self.blocks[0].norm1.eps)
         for i, block in enumerate(self.blocks):
-            block_keep = keep if i == last else None
+            out = block.forward_unfinished(x, x_hat, return_attention=return_attention,
+                                           keep=keep if i == last else None)
             if return_attention:
-                tokens, attn = block(tokens, return_attention=True, keep=block_keep)
-                attentions.append(attn)
+                attentions.append(out[2])
+            if i < last:
+                x, x_hat = F.add_layer_norm(out[0], out[1], None, None, eps=self.blocks[i + 1].norm1.eps)
             else:
-                tokens = block(tokens, keep=block_keep)
-        tokens = self.norm(tokens)
-        return (tokens, attentions) if return_attention else tokens
+                _, x = F.add_layer_norm(out[0], out[1], self.norm.weight, self.norm.bias, eps=self.norm.eps)
+        return (x, attentions) if return_attention else x
 
     def pool(self, tokens):
         """y: the class token's output (Eq. 4) or, for "gap", the mean of the patch tokens

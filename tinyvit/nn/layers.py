@@ -135,6 +135,14 @@ class DropPath(Module):
         return f"p={self.p}"
 
 
+def _fold(norm, linear):
+    """(weight, bias) of ``linear`` with the scale and shift of the LayerNorm ``norm`` folded in:
+    (x_hat * g + beta) W + b = x_hat (g W) + (beta W + b). The Linear's own when norm is None."""
+    if norm is None:
+        return linear.weight, linear.bias
+    return F.fold_norm_affine(norm.weight, norm.bias, linear.weight, linear.bias)
+
+
 class MultiHeadAttention(Module):
     """Multi-head self-attention, MSA of Eq. 2 (appendix A, Eq. 5-8), then dropout on its output.
 
@@ -160,9 +168,12 @@ class MultiHeadAttention(Module):
         self.proj = Linear(dim, dim)
         self.proj_drop = Dropout(proj_dropout)
 
-    def forward(self, x, return_attention: bool = False, num_queries=None):
-        """num_queries: M, for the output of the first M tokens only (B, M, dim); all N by default."""
-        out = F.multi_head_attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias,
+    def forward(self, x, return_attention: bool = False, num_queries=None, norm=None):
+        """num_queries: M, for the output of the first M tokens only (B, M, dim); all N by default.
+        norm: the LayerNorm before this layer when x is only its standardisation (x - mean) / std:
+        its scale and shift are then folded into the qkv weights (F.fold_norm_affine)."""
+        w_qkv, b_qkv = _fold(norm, self.qkv)
+        out = F.multi_head_attention(x, w_qkv, b_qkv, self.proj.weight, self.proj.bias,
                                      self.num_heads, attn_dropout=self.attn_dropout, training=self.training,
                                      return_attention=return_attention, num_queries=num_queries)
         if return_attention:
@@ -192,9 +203,12 @@ class MLP(Module):
         init.normal_(self.fc1.bias, std=1e-6)
         init.normal_(self.fc2.bias, std=1e-6)
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
+        """norm: the LayerNorm before this block when x is only its standardisation (x - mean) / std:
+        its scale and shift are then folded into fc1 (F.fold_norm_affine)."""
+        w1, b1 = _fold(norm, self.fc1)
         # fc1's bias is added by GELU, block by block in the cache, instead of in a pass of its own
-        h = self.act(F.linear(x, self.fc1.weight), bias=self.fc1.bias)
+        h = self.act(F.linear(x, w1), bias=b1)
         return self.drop2(self.fc2(self.drop1(h)))
 
 

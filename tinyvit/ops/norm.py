@@ -80,17 +80,30 @@ class LayerNorm(Function):
     """
 
     def forward(self, x, gamma, beta, eps):
-        xp = get_array_module(x)
         x2 = x.reshape(-1, x.shape[-1])                                        # (R, D)
+        _, y = self._normalize(x2, None, gamma, beta, eps)
+        return y.reshape(x.shape)
+
+    def backward(self, gy):
+        dx, dgamma, dbeta = self._grads(gy.reshape(self.saved[0].shape), None, self.needs_input_grad[:3])
+        return (dx.reshape(gy.shape) if dx is not None else None), dgamma, dbeta
+
+    def _normalize(self, x2, branch2, gamma, beta, eps):
+        """s = x2 (+ branch2 if given) and y = LN(s), both (R, D), computed block by block; saves
+        what _grads needs and returns (s, y)."""
+        xp = get_array_module(x2)
+        s = x2 if branch2 is None else xp.empty_like(x2)
         y = xp.empty_like(x2)
         mean = xp.empty((x2.shape[0], 1), dtype=x2.dtype)                     # (R, 1)
         inv_std = xp.empty_like(mean)                                          # (R, 1)
-        by_n = xp.full((x2.shape[1], 1), 1.0 / x2.shape[1], dtype=x2.dtype)   # x @ by_n: row means
+        by_n = xp.full((x2.shape[1], 1), 1.0 / x2.shape[1], dtype=x2.dtype)   # s @ by_n: row means
 
         def normalize(r):                                                      # one block of rows
             y_r = y[r]
-            xp.matmul(x2[r], by_n, out=mean[r])                                # BLAS: 3x einsum's speed
-            xp.subtract(x2[r], mean[r], out=y_r)                               # x - mean, in y's block
+            if branch2 is not None:
+                xp.add(x2[r], branch2[r], out=s[r])                            # the residual add, in the cache
+            xp.matmul(s[r], by_n, out=mean[r])                                 # BLAS: 3x einsum's speed
+            xp.subtract(s[r], mean[r], out=y_r)                                # s - mean, in y's block
             var = _row_dot_mean(y_r, y_r)
             var += eps                                                         # eps a Python float: dtype stays
             xp.divide(1.0, xp.sqrt(var, out=var), out=inv_std[r])
@@ -101,18 +114,20 @@ class LayerNorm(Function):
                 y_r += beta
 
         for_each_block(normalize, row_blocks(x2))                              # cache-sized, threaded
-        self.save(x2, mean, inv_std, gamma)
-        return y.reshape(x.shape)
+        self.save(s, mean, inv_std, gamma)
+        return s, y
 
-    def backward(self, gy):
-        x2, mean, inv_std, gamma = self.saved
-        xp = get_array_module(x2)
-        need_x, need_gamma, need_beta = self.needs_input_grad[:3]
-        n = x2.shape[1]
-        g2 = gy.reshape(x2.shape)                                              # (R, D)
-        dx = xp.empty_like(x2) if need_x else None
-        weight = gamma if gamma is not None else xp.ones(n, dtype=x2.dtype)   # g = gy * weight
-        ones = xp.ones(x2.shape[0], dtype=x2.dtype)                           # (R,)
+    def _grads(self, g2, g_add, need):
+        """(dL/ds (+ g_add if given), dL/dgamma, dL/dbeta) from g2 = dL/dy, all rows (R, D); need:
+        which of the three are wanted (dL/ds is computed when wanted or when g_add is given)."""
+        s2, mean, inv_std, gamma = self.saved
+        xp = get_array_module(s2)
+        need_x, need_gamma, need_beta = need
+        need_x = need_x or g_add is not None
+        n = s2.shape[1]
+        dx = xp.empty_like(s2) if need_x else None
+        weight = gamma if gamma is not None else xp.ones(n, dtype=s2.dtype)   # g = gy * weight
+        ones = xp.ones(s2.shape[0], dtype=s2.dtype)                           # (R,)
 
         # The sums over rows and along rows are BLAS matrix-vector products (v @ A, A @ v): no
         # temporary, faster than einsum, and accurate in float32 even for long rows.
@@ -122,7 +137,7 @@ class LayerNorm(Function):
             if not (need_x or need_gamma):
                 return None, dbeta
             xc, gy_xc = scratch("layer_norm", 2, gy_r)
-            xp.subtract(x2[r], mean[r], out=xc)                                # x - mean = x_hat / s
+            xp.subtract(s2[r], mean[r], out=xc)                                # x - mean = x_hat / s
             xp.multiply(gy_r, xc, out=gy_xc)
             dgamma = s[:, 0] @ gy_xc if need_gamma else None                   # sum over rows of gy x_hat
             if need_x:
@@ -135,12 +150,88 @@ class LayerNorm(Function):
                 if gamma is not None:
                     dx_r *= gamma
                 dx_r -= xc
+                if g_add is not None:
+                    dx_r += g_add[r]                                           # the residual's gradient, in the cache
             return dgamma, dbeta
 
-        partial = for_each_block(block_grads, row_blocks(x2))                 # cache-sized, threaded
+        partial = for_each_block(block_grads, row_blocks(s2))                 # cache-sized, threaded
         dgamma = sum(p[0] for p in partial) if need_gamma else None
         dbeta = sum(p[1] for p in partial) if need_beta else None
-        return (dx.reshape(gy.shape) if need_x else None), dgamma, dbeta
+        return dx, dgamma, dbeta
+
+
+class AddLayerNorm(LayerNorm):
+    """The residual add of Eq. 2 (or 3) and the LayerNorm that reads its result, in one pass:
+
+    x, branch: (..., D)   gamma, beta: (D,) or None   ->   s = x + branch,  y = LN(s) * gamma + beta
+    Backward, from gs = dL/ds (the residual stream's gradient) and gy = dL/dy (either may be None):
+        dL/dx = dL/dbranch = gs + LayerNorm's dL/ds from gy,  dL/dgamma, dL/dbeta as LayerNorm's.
+
+    The same numbers as s = x + branch followed by layer_norm(s), but each block of s is normalised
+    while it is still in the cache, and in backward the residual's gradient is added to LayerNorm's
+    in the block that computes it: the (R, D) streams of a separate add and of the gradient
+    accumulation are saved (two per residual connection each way).
+    """
+
+    def forward(self, x, branch, gamma, beta, eps):
+        d = x.shape[-1]
+        s, y = self._normalize(x.reshape(-1, d), branch.reshape(-1, d), gamma, beta, eps)
+        return s.reshape(x.shape), y.reshape(x.shape)
+
+    def backward(self, gs, gy):
+        need_x = self.needs_input_grad[0] or self.needs_input_grad[1]
+        need = (need_x,) + tuple(self.needs_input_grad[2:4])
+        if gy is None:                                    # only the residual stream carries a gradient
+            return gs, gs, None, None
+        shape = gy.shape
+        g_add = None if gs is None else gs.reshape(self.saved[0].shape)
+        dx, dgamma, dbeta = self._grads(gy.reshape(self.saved[0].shape), g_add, need)
+        if dx is not None:
+            dx = dx.reshape(shape)
+        return dx, dx, dgamma, dbeta
+
+
+class FoldNormAffine(Function):
+    """A LayerNorm's scale and shift folded into the dense layer that reads it:
+
+        (x_hat * gamma + beta) W + b = x_hat (diag(gamma) W) + (beta W + b)
+
+    gamma, beta: (D,)   weight: (D, O)   bias: (O,) or None   ->   w: (D, O), b: (O,)
+    Backward, from gw = dL/dw and gb = dL/db (either may be None):
+        dL/dgamma = sum over o of gw * W,  dL/dW = gamma gw + beta^T gb (outer product),
+        dL/dbeta = W gb,  dL/dbias = gb.
+    All arrays are the size of the weights, not of the activations: folding spares the LayerNorm two
+    passes over the (R, D) activations forward (the scale and the shift) and three backward (the
+    scale and the two sums over rows that gave dL/dgamma and dL/dbeta).
+    """
+
+    def forward(self, gamma, beta, weight, bias):
+        w = gamma[:, None] * weight
+        b = beta @ weight
+        if bias is not None:
+            b += bias
+        self.save(gamma, beta, weight)
+        return w, b
+
+    def backward(self, gw, gb):
+        gamma, beta, weight = self.saved
+        xp = get_array_module(weight)
+        need_gamma, need_beta, need_weight, need_bias = self.needs_input_grad[:4]
+        dgamma = dbeta = dweight = dbias = None
+        if gw is not None:
+            if need_gamma:
+                dgamma = xp.einsum("io,io->i", gw, weight)
+            if need_weight:
+                dweight = gamma[:, None] * gw
+        if gb is not None:
+            if need_beta:
+                dbeta = weight @ gb
+            if need_weight:
+                outer = beta[:, None] * gb
+                dweight = outer if dweight is None else dweight + outer
+            if need_bias:
+                dbias = gb
+        return dgamma, dbeta, dweight, dbias
 
 
 class GroupNorm(Function):
@@ -225,6 +316,44 @@ def layer_norm(x, weight, bias, eps=1e-6):
     _require_vector("layer_norm", "weight", weight, sx[-1], f"x's last axis of {sx}")
     _require_vector("layer_norm", "bias", bias, sx[-1], f"x's last axis of {sx}")
     return LayerNorm.apply(x, weight, bias, _require_eps("layer_norm", eps))
+
+
+def add_layer_norm(x, branch, weight, bias, eps=1e-6):
+    """The residual add and the LayerNorm after it, fused: returns (s, y) with s = x + branch and
+    y = layer_norm(s, weight, bias, eps). x, branch: (..., D) of one shape; weight, bias: (D,) or None.
+
+    The pre-norm block's "x = x + MSA(LN(x)); then LN(x)" (Eq. 2-3) in one pass over memory each way."""
+    require_float("add_layer_norm", x=x, branch=branch, weight=weight, bias=bias)
+    require_same_dtype("add_layer_norm", x=x, branch=branch, weight=weight, bias=bias)
+    sx, sb = shape_of(x), shape_of(branch)
+    if not sx:
+        raise ValueError("add_layer_norm: x must have at least one axis (the normalised one), got a scalar")
+    if sb != sx:
+        raise ValueError(f"add_layer_norm: branch must have x's shape {sx} (no broadcasting), got {sb}")
+    _require_vector("add_layer_norm", "weight", weight, sx[-1], f"x's last axis of {sx}")
+    _require_vector("add_layer_norm", "bias", bias, sx[-1], f"x's last axis of {sx}")
+    return AddLayerNorm.apply(x, branch, weight, bias, _require_eps("add_layer_norm", eps))
+
+
+def fold_norm_affine(norm_weight, norm_bias, weight, bias):
+    """A LayerNorm's scale and shift folded into the next dense layer: returns (w, b) with
+    x_hat w + b = (x_hat * norm_weight + norm_bias) weight + bias for every x_hat.
+
+    norm_weight, norm_bias: (D,)   weight: (D, O) (our (in, out) layout)   bias: (O,) or None.
+    With x_hat = layer_norm(x, None, None) (or add_layer_norm's), linear(x_hat, w, b) equals
+    linear(layer_norm(x, norm_weight, norm_bias), weight, bias), gradients included."""
+    op = "fold_norm_affine"
+    require_float(op, norm_weight=norm_weight, norm_bias=norm_bias, weight=weight, bias=bias)
+    require_same_dtype(op, norm_weight=norm_weight, norm_bias=norm_bias, weight=weight, bias=bias)
+    if norm_weight is None or norm_bias is None or weight is None:
+        raise ValueError(f"{op}: norm_weight, norm_bias and weight are required (only bias may be None)")
+    sw = shape_of(weight)
+    if len(sw) != 2:
+        raise ValueError(f"{op}: weight must be 2-D (in, out), got shape {sw}")
+    _require_vector(op, "norm_weight", norm_weight, sw[0], f"one per input of weight {sw}")
+    _require_vector(op, "norm_bias", norm_bias, sw[0], f"one per input of weight {sw}")
+    _require_vector(op, "bias", bias, sw[1], f"one per output of weight {sw}")
+    return FoldNormAffine.apply(norm_weight, norm_bias, weight, bias)
 
 
 def group_norm(x, num_groups, weight, bias, eps=1e-5):
