@@ -299,3 +299,46 @@ def test_errors():
         F.multi_head_attention(x.astype(np.int32), w_qkv, b_qkv, w_proj, b_proj, 2)
     with pytest.raises(TypeError, match="one floating dtype.*w_proj float64"):
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj.astype(np.float64), b_proj, 2)
+
+
+# ---------------------------------------------------------------- blocks of samples among threads
+
+
+@pytest.mark.parametrize("m", [None, 1, 3])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_blocks_of_samples_give_the_one_block_result(rng, monkeypatch, m, dropout):
+    """On NumPy each block of SAMPLES_PER_BLOCK samples runs its bias add, logits, softmax and A v
+    (and their backward) while in the cache, blocks shared among threads. A batch of three blocks
+    (16 + 16 + 5 samples) on 1 and 2 threads gives the output, attention map and every gradient
+    of the whole batch as one block (float64; the bias gradients are summed block by block)."""
+    from tinyvit import backend
+    from tinyvit.ops import attention as attention_ops
+    from tinyvit.ops import common
+    b, n, d, heads = 37, 6, 8, 2
+    data = arrays(rng, b, n, d)
+    g_out = rng.standard_normal((b, n if m is None else m, d))
+    g_attn = rng.standard_normal((b, heads, n if m is None else m, n))
+    results = {}
+    previous = common.get_num_threads()
+    try:
+        for label, per_block, threads in [("one block", 10_000, 1), ("blocks, 1 thread", 16, 1),
+                                          ("blocks, 2 threads", 16, 2)]:
+            monkeypatch.setattr(attention_ops, "SAMPLES_PER_BLOCK", per_block)
+            common.set_num_threads(threads)
+            backend.manual_seed(3)                       # the same dropout mask each time
+            ins = [tv.Tensor(a, requires_grad=True) for a in data]
+            out, attn = F.multi_head_attention(*ins, heads, attn_dropout=dropout, training=dropout > 0,
+                                               return_attention=True, num_queries=m)
+            ((out * tv.Tensor(g_out)).sum() + (attn * tv.Tensor(g_attn)).sum()).backward()
+            results[label] = [out.data, attn.data] + [t.grad for t in ins]
+    finally:
+        common.set_num_threads(previous)
+    names = ["out", "attn", "dx", "dw_qkv", "db_qkv", "dw_proj", "db_proj"]
+    for label in ("blocks, 1 thread", "blocks, 2 threads"):
+        for name, got, want in zip(names, results[label], results["one block"]):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{label}: {name}")
+    if dropout == 0.0:                                   # and the plain per-head reference agrees
+        ref_out, ref_attn = ref_attention(*data, heads)
+        rows = slice(None) if m is None else slice(0, m)
+        assert_close(results["one block"][0], ref_out[:, rows], rtol=1e-10, atol=1e-12, what="out")
+        assert_close(results["one block"][1], ref_attn[:, :, rows], rtol=1e-10, atol=1e-12, what="attn")
