@@ -75,6 +75,25 @@ def patch_to_conv_weight(weight: np.ndarray, in_channels: int) -> np.ndarray:
     return weight.T.reshape(dim, in_channels, p, p)
 
 
+def _relayout(state: Mapping, convert_conv) -> tuple[dict, list]:
+    """({name: C-contiguous NumPy array}, [names TIMM_VIT_LAYOUTS does not know]): the patch
+    embedding through ``convert_conv``, linear weights transposed (our (in, out) <-> PyTorch's
+    (out, in)), everything else as it is. The same names both ways, so one loop serves both."""
+    out, unknown = {}, []
+    for name, value in state.items():
+        template, _ = _match(name, TIMM_VIT_LAYOUTS)
+        if template is None:
+            unknown.append(name)
+            continue
+        layout, array = TIMM_VIT_LAYOUTS[template], _to_numpy(value)
+        if layout == "conv":
+            array = convert_conv(array)
+        elif layout == "linear":
+            array = array.T
+        out[name] = _contiguous(array)
+    return out, unknown
+
+
 def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
     """A timm/PyTorch ViT state dict -> ours: {name: NumPy array} in our layouts.
 
@@ -84,18 +103,7 @@ def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
     timm's ``no_embed_class`` models (position embeddings for the patches only, DeiT-III) get a zero
     row for the class token, which is the same computation in our Eq. 1 order.
     """
-    state, unknown = {}, []
-    for name, value in sd.items():
-        template, _ = _match(name, TIMM_VIT_LAYOUTS)
-        if template is None:
-            unknown.append(name)
-            continue
-        layout, array = TIMM_VIT_LAYOUTS[template], _to_numpy(value)
-        if layout == "conv":
-            array = _contiguous(conv_to_patch_weight(array))
-        elif layout == "linear":
-            array = _contiguous(array.T)
-        state[name] = array
+    state, unknown = _relayout(sd, conv_to_patch_weight)
     _report_unknown(unknown, "from_timm_state_dict", strict, _TIMM_HINT)
     pos = state.get("pos_embed")
     if pos is not None and "cls_token" in state and _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
@@ -123,18 +131,7 @@ def to_timm_state_dict(state, in_channels: int | None = None) -> dict:
         in_channels = in_channels or getattr(state.config, "feature_channels", state.config.in_channels)
         state = state.state_dict()
     in_channels = in_channels or _hybrid_embed_channels(state) or 3
-    out, unknown = {}, []
-    for name, value in state.items():
-        template, _ = _match(name, TIMM_VIT_LAYOUTS)
-        if template is None:
-            unknown.append(name)
-            continue
-        layout, array = TIMM_VIT_LAYOUTS[template], _to_numpy(value)
-        if layout == "conv":
-            array = patch_to_conv_weight(array, in_channels)
-        elif layout == "linear":
-            array = array.T
-        out[name] = _contiguous(array)
+    out, unknown = _relayout(state, lambda w: patch_to_conv_weight(w, in_channels))
     if unknown:
         raise ValueError(f"to_timm_state_dict: timm's ViT has no tensors named {', '.join(unknown)} "
                          "(e.g. learned-2d position embeddings)")

@@ -149,6 +149,8 @@ class MultiHeadAttention(Function):
             dk, dv = _heads(dkv)
         dctx = None if gy is None else _heads_of((g2 @ w_proj.T).reshape(b, m, h, dh))  # (B, H, M, dh)
         want_bias = need[2]
+        # the gradient arrays' rows per sample, in the layout of the forward's GEMM outputs
+        grad_rows = [dqkv.reshape(b, n, 3 * d)] if m == n else [dq2.reshape(b, m, d), dkv.reshape(b, n, 2 * d)]
 
         def grads(r):
             """The backward of Eq. 7, 6 and 5's products for the samples r, in the cache; returns
@@ -175,8 +177,6 @@ class MultiHeadAttention(Function):
             return [column_sums(rows_of_samples[r].reshape(-1, rows_of_samples.shape[-1]))
                     for rows_of_samples in grad_rows]
 
-        # the gradient arrays' rows per sample, in the layout of the forward's GEMM outputs
-        grad_rows = [dqkv.reshape(b, n, 3 * d)] if m == n else [dq2.reshape(b, m, d), dkv.reshape(b, n, 2 * d)]
         parts = for_each_block(grads, _sample_blocks(xp, b))
         db_parts = None
         if want_bias:                                     # the blocks' sums added in block order

@@ -119,11 +119,10 @@ class LayerNorm(Function):
 
     def _grads(self, g2, g_add, need):
         """(dL/ds (+ g_add if given), dL/dgamma, dL/dbeta) from g2 = dL/dy, all rows (R, D); need:
-        which of the three are wanted (dL/ds is computed when wanted or when g_add is given)."""
+        which of the three are wanted."""
         s2, mean, inv_std, gamma = self.saved
         xp = get_array_module(s2)
         need_x, need_gamma, need_beta = need
-        need_x = need_x or g_add is not None
         n = s2.shape[1]
         dx = xp.empty_like(s2) if need_x else None
         weight = gamma if gamma is not None else xp.ones(n, dtype=s2.dtype)   # g = gy * weight
@@ -132,21 +131,21 @@ class LayerNorm(Function):
         # The sums over rows and along rows are BLAS matrix-vector products (v @ A, A @ v): no
         # temporary, faster than einsum, and accurate in float32 even for long rows.
         def block_grads(r):                                                    # one block of rows
-            gy_r, s = g2[r], inv_std[r]                                        # (k, D), (k, 1)
+            gy_r, inv = g2[r], inv_std[r]                                      # (k, D), (k, 1)
             dbeta = ones[r] @ gy_r if need_beta else None                      # sum over rows of gy
             if not (need_x or need_gamma):
                 return None, dbeta
             xc, gy_xc = scratch("layer_norm", 2, gy_r)
-            xp.subtract(s2[r], mean[r], out=xc)                                # x - mean = x_hat / s
+            xp.subtract(s2[r], mean[r], out=xc)                                # s - mean = x_hat / inv
             xp.multiply(gy_r, xc, out=gy_xc)
-            dgamma = s[:, 0] @ gy_xc if need_gamma else None                   # sum over rows of gy x_hat
+            dgamma = inv[:, 0] @ gy_xc if need_gamma else None                 # sum over rows of gy x_hat
             if need_x:
-                # dx = s (g - mean(g) - x_hat mean(g x_hat)) = s g - (xc s^2 mean(g x_hat) + s mean(g))
+                # dx = inv (g - mean(g) - x_hat mean(g x_hat)) = inv g - (xc inv^2 mean(g x_hat) + inv mean(g))
                 mean_g = (gy_r @ weight)[:, None] / n                          # (k, 1)
-                mean_gx = (gy_xc @ weight)[:, None] * s / n                    # mean(g x_hat), (k, 1)
-                xc *= s * s * mean_gx
-                xc += s * mean_g
-                dx_r = xp.multiply(gy_r, s, out=dx[r])
+                mean_gx = (gy_xc @ weight)[:, None] * inv / n                  # mean(g x_hat), (k, 1)
+                xc *= inv * inv * mean_gx
+                xc += inv * mean_g
+                dx_r = xp.multiply(gy_r, inv, out=dx[r])
                 if gamma is not None:
                     dx_r *= gamma
                 dx_r -= xc
