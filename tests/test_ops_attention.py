@@ -342,3 +342,56 @@ def test_blocks_of_samples_give_the_one_block_result(rng, monkeypatch, m, dropou
         rows = slice(None) if m is None else slice(0, m)
         assert_close(results["one block"][0], ref_out[:, rows], rtol=1e-10, atol=1e-12, what="out")
         assert_close(results["one block"][1], ref_attn[:, :, rows], rtol=1e-10, atol=1e-12, what="attn")
+
+
+# ---------------------------------------------------------------- the block softmax's shift
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("spread", [3.0, 40.0, 200.0])
+def test_block_softmax_matches_a_per_row_reference(rng, dtype, spread):
+    """_softmax_block_ shifts a whole block by its largest logit when the block's logits span less
+    than _ONE_SHIFT_SPAN, else each row by its own; either way each row equals the plain float64
+    softmax. spread 200: rows of very different levels (the per-row path); smaller: one shift."""
+    from tinyvit.ops import attention as attention_ops
+    z = rng.standard_normal((50, 65)) + rng.uniform(-spread / 2, spread / 2, size=(50, 1))
+    want = np.exp(z - z.max(axis=1, keepdims=True))
+    want /= want.sum(axis=1, keepdims=True)
+    got = z.astype(dtype)
+    attention_ops._softmax_block_(got)
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(got, want, rtol=tol * 10, atol=tol)
+    np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=tol * 10)
+
+
+def test_one_shift_for_a_wide_block_would_lose_rows(rng, monkeypatch):
+    """Why the span guard exists: shifting a block whose rows differ by 200 by its overall max
+    underflows the low rows' exp to zero (0/0: NaN); with the guard those rows are exact."""
+    from tinyvit.ops import attention as attention_ops
+    z = rng.standard_normal((4, 65)).astype(np.float32)
+    z[:2] += 200.0
+    guarded = z.copy()
+    attention_ops._softmax_block_(guarded)
+    assert np.isfinite(guarded).all()
+    monkeypatch.setattr(attention_ops, "_ONE_SHIFT_SPAN", np.inf)
+    unguarded = z.copy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        attention_ops._softmax_block_(unguarded)
+    assert not np.isfinite(unguarded[2:]).all()
+    np.testing.assert_allclose(unguarded[:2], guarded[:2], rtol=1e-6)
+
+
+def test_block_softmax_keeps_nan_and_infinite_logits_to_their_rows(rng):
+    """A NaN (or +inf) logit takes the per-row path: it spoils its own row only."""
+    from tinyvit.ops import attention as attention_ops
+    z = rng.standard_normal((3, 6))
+    z[0, 2] = np.nan
+    z[1, 4] = -np.inf                                     # a masked-out logit: weight exactly 0
+    got = z.copy()
+    with np.errstate(invalid="ignore"):
+        attention_ops._softmax_block_(got)
+    assert np.isnan(got[0]).all()
+    assert got[1, 4] == 0.0 and np.isclose(got[1].sum(), 1.0)
+    want = np.exp(z[2] - z[2].max())
+    np.testing.assert_allclose(got[2], want / want.sum(), rtol=1e-13)

@@ -185,3 +185,52 @@ def test_threaded_row_helpers_match_numpy(threads):
         np.testing.assert_array_equal(common.binary_same_shape(np.add, small, small), small + small)
     finally:
         common.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- cache-line-aligned outputs
+
+
+def is_aligned(a):
+    from tinyvit.ops import common
+    return a.ctypes.data % common.CACHE_LINE == 0
+
+
+@pytest.mark.parametrize("shape,dtype", [((8320, 192), np.float32), ((3, 5, 7), np.float64), ((0, 4), np.float32),
+                                         ((), np.float32), ((13,), np.int64)])
+def test_empty_is_cache_line_aligned(shape, dtype):
+    """common.empty gives a writable array of the asked shape and dtype starting on a 64-byte line,
+    whatever the offset malloc returned (several allocations, so that an aligned one by chance
+    cannot pass for all), and common.aligned_matmul a product in such an array."""
+    from tinyvit.ops import common
+    arrays = [common.empty(shape, dtype) for _ in range(8)]
+    for a in arrays:
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert is_aligned(a) or a.size == 0
+        a[...] = 1                                       # all of it is ours to write
+    like = common.empty_like(np.zeros((5, 3), np.float32))
+    assert like.shape == (5, 3) and like.dtype == np.float32 and is_aligned(like)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((37, 11)), rng.standard_normal((11, 5))
+    for _ in range(4):
+        y = common.aligned_matmul(x, w)
+        assert is_aligned(y)
+        np.testing.assert_array_equal(y, x @ w)
+    y = common.aligned_matmul(x.astype(np.float32), w.T.astype(np.float32).T)   # strided operand, float32 out
+    assert y.dtype == np.float32 and is_aligned(y)
+
+
+def test_hot_kernels_write_aligned_outputs(rng):
+    """The element-wise kernels' outputs and the GEMM outputs they then update in place start on a
+    cache line (a misaligned output made their stores straddle two lines: up to 3x slower). Four
+    rounds, so that malloc's 16-byte alignment cannot pass by chance (1 in 4 per array)."""
+    x = rng.standard_normal((4, 65, 48)).astype(np.float32)
+    w, b = rng.standard_normal((48, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
+    w_qkv, w_proj = rng.standard_normal((48, 144)).astype(np.float32), rng.standard_normal((48, 48)).astype(np.float32)
+    for _ in range(4):
+        outputs = {"linear": F.linear(x, w, b), "gelu": F.gelu(x), "gelu with bias": F.gelu(x, bias=x[0, 0]),
+                   "layer_norm": F.layer_norm(x, None, None)}
+        outputs["add_layer_norm s"], outputs["add_layer_norm y"] = F.add_layer_norm(x, x, None, None)
+        outputs["attention"], outputs["attention weights"] = F.multi_head_attention(
+            x, w_qkv, None, w_proj, None, 3, return_attention=True)
+        for name, t in outputs.items():
+            assert is_aligned(t.data), name

@@ -130,36 +130,74 @@ def test_add_layer_norm_gradcheck_one_output_used(xp, rng, which):
         assert w.grad is None and b.grad is None
 
 
-@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_add_layer_norm_equals_add_then_layer_norm(rng, dtype, rtol, atol, threads):
-    """Values and every gradient equal those of x + branch followed by layer_norm, on an array of
-    several cache blocks (rows of 192, as vit-cifar's) shared among 1 or 2 threads."""
+def values_and_gradients(variants, arrays, gs, gy, dtype, threads):
+    """For each variant (input Tensors -> (s, y)): [s, y, every input's gradient] under the upstream
+    gradients gs of s and gy of y, computed in dtype on ``threads`` threads."""
     from tinyvit.ops import common
-    shape = (6, 1000, 192)                                   # 6000 rows: several blocks
-    arrays = [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(shape),
-              rng.standard_normal(192), rng.standard_normal(192)]
-    gs, gy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
     results = []
     previous = common.get_num_threads()
     common.set_num_threads(threads)
     try:
-        for fused in (True, False):
+        for variant in variants:
             ins = [tv.Tensor(np.asarray(a, dtype=dtype), requires_grad=True) for a in arrays]
-            if fused:
-                s, y = F.add_layer_norm(*ins)
-            else:
-                s = ins[0] + ins[1]
-                y = F.layer_norm(s, ins[2], ins[3])
+            s, y = variant(*ins)
             (s * tv.Tensor(gs)).sum().backward(retain_graph=True)
             y.backward(gy)
             results.append([s.data, y.data] + [t.grad for t in ins])
     finally:
         common.set_num_threads(previous)
+    return results
+
+
+def several_blocks_of_rows(rng, dtype, with_affine):
+    """Inputs of 6000 rows of 192 (vit-cifar's width): several cache blocks of LayerNorm's."""
+    shape = (6, 1000, 192)
+    arrays = [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(shape)]
+    if with_affine:
+        arrays += [rng.standard_normal(192), rng.standard_normal(192)]
+    gs, gy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    return arrays, gs, gy
+
+
+@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_layer_norm_equals_add_then_layer_norm(rng, dtype, rtol, atol, threads):
+    """Values and every gradient equal those of x + branch followed by layer_norm, on an array of
+    several cache blocks shared among 1 or 2 threads."""
+    arrays, gs, gy = several_blocks_of_rows(rng, dtype, with_affine=True)
+
+    def separate(x, r, w, b):
+        s = x + r
+        return s, F.layer_norm(s, w, b)
+
+    results = values_and_gradients([F.add_layer_norm, separate], arrays, gs, gy, dtype, threads)
     names = ["s", "y", "dx", "dbranch", "dweight", "dbias"]
     for name, a, b in zip(names, *results):
         assert a.dtype == dtype, name
         assert_close(a, b, rtol=rtol, atol=atol * (100 if name in ("dweight", "dbias") else 1), what=name)
+
+
+@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", [True, False])
+def test_no_scale_and_shift_equals_unit_scale_and_zero_shift(rng, dtype, rtol, atol, threads, fused):
+    """Without gamma and beta, LayerNorm saves its output x_hat and backward works from it; with
+    gamma = 1 and beta = 0 it saves s and rebuilds s - mean. Both paths give the same values and
+    gradients (add_layer_norm, or layer_norm after a separate add), on several cache blocks of
+    rows shared among 1 or 2 threads."""
+    arrays, gs, gy = several_blocks_of_rows(rng, dtype, with_affine=False)
+    ones, zeros = np.ones(192, dtype), np.zeros(192, dtype)
+
+    def norm(affine):
+        w, b = (ones, zeros) if affine else (None, None)
+        if fused:
+            return lambda x, r: F.add_layer_norm(x, r, w, b)
+        return lambda x, r: (x + r, F.layer_norm(x + r, w, b))
+
+    results = values_and_gradients([norm(False), norm(True)], arrays, gs, gy, dtype, threads)
+    for name, a, b in zip(["s", "y", "dx", "dbranch"], *results):
+        assert a.dtype == dtype, name
+        assert_close(a, b, rtol=rtol, atol=atol, what=name)
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import (binary_same_shape, blockwise, column_sums, for_each_block, require_float, require_same_dtype,
-                     row_blocks, scratch, shape_of)
+from .common import (binary_same_shape, blockwise, column_sums, empty_like, for_each_block, require_float,
+                     require_same_dtype, row_blocks, scratch, shape_of)
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -167,8 +167,8 @@ class GELU(Function):
     def forward(self, x, bias=None):
         xp = get_array_module(x)
         x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)     # (R, H)
-        y = xp.empty_like(x2)
-        d = xp.empty_like(x2) if any(self.needs_input_grad) else None     # dy/dh
+        y = empty_like(x2)
+        d = empty_like(x2) if any(self.needs_input_grad) else None     # dy/dh
 
         def block(r):
             h = x2[r]
@@ -186,7 +186,7 @@ class GELU(Function):
             return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
         xp = get_array_module(d)
         g2 = gy.reshape(d.shape)
-        gx = xp.empty_like(d)
+        gx = empty_like(d)
 
         def block(r):                                   # dL/dx, and this block's share of dL/dbias
             xp.multiply(g2[r], d[r], out=gx[r])

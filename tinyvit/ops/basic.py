@@ -9,7 +9,7 @@ import numpy as np
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import add_row_vector_, binary_same_shape, column_sums, require_float, shape_of
+from .common import add_row_vector_, aligned_matmul, binary_same_shape, column_sums, require_float, shape_of
 
 # ---------------------------------------------------------------- element-wise arithmetic
 
@@ -377,7 +377,7 @@ class Linear(Function):
 
     def forward(self, x, w, b=None):
         rows = x.reshape(-1, x.shape[-1])
-        y = rows @ w
+        y = aligned_matmul(rows, w)
         if b is not None:
             add_row_vector_(y, b)
         self.save(rows, w, x.shape)
@@ -386,7 +386,7 @@ class Linear(Function):
     def backward(self, gy):
         rows, w, x_shape = self.saved
         g = gy.reshape(-1, gy.shape[-1])
-        gx = (g @ w.T).reshape(x_shape) if self.needs_input_grad[0] else None
+        gx = aligned_matmul(g, w.T).reshape(x_shape) if self.needs_input_grad[0] else None
         gw = weight_gradient(rows, g) if self.needs_input_grad[1] else None
         gb = column_sums(g) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
         return gx, gw, gb

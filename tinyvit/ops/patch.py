@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..autograd import Function
 from .basic import weight_gradient
-from .common import require_float, require_ndim, require_same_dtype, shape_of
+from .common import aligned_matmul, require_float, require_ndim, require_same_dtype, shape_of
 
 
 class PatchEmbed(Function):
@@ -30,7 +30,7 @@ class PatchEmbed(Function):
         patches = (images.reshape(bsz, c, gh, p, gw, p)
                    .transpose(0, 2, 4, 1, 3, 5)            # (B, H/P, W/P, C, P, P)
                    .reshape(bsz * gh * gw, c * p * p))     # (B*N, C*P*P), a copy
-        y = patches @ w                                    # (B*N, D)
+        y = aligned_matmul(patches, w)                     # (B*N, D)
         if b is not None:
             y += b
         self.save(patches if self.needs_input_grad[1] else None, w, images.shape, p)
