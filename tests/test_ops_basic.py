@@ -179,10 +179,13 @@ def test_threaded_row_helpers_match_numpy(threads):
     try:
         np.testing.assert_array_equal(common.add_row_vector_(y.copy(), b), y + b)
         np.testing.assert_allclose(common.column_sums(y), y.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
-        np.testing.assert_array_equal(common.binary_same_shape(np.add, y, z), y + z)
-        np.testing.assert_array_equal(common.binary_same_shape(np.multiply, y, z), y * z)
+        np.testing.assert_array_equal(common.binary_in_blocks(np.add, y, z), y + z)
+        np.testing.assert_array_equal(common.binary_in_blocks(np.multiply, y, z), y * z)
         small = y[:3]
-        np.testing.assert_array_equal(common.binary_same_shape(np.add, small, small), small + small)
+        np.testing.assert_array_equal(common.binary_in_blocks(np.add, small, small), small + small)
+        tokens = y[:y.shape[0] // 48 * 48].reshape(-1, 48, 96)   # 85 samples: blocks of 28, a ragged last
+        for pos in (z[:48][None], z[:48], z[:1]):          # (1, N, D), (N, D); (1, D) broadcasts too
+            np.testing.assert_array_equal(common.binary_in_blocks(np.add, tokens, pos), tokens + pos)
     finally:
         common.set_num_threads(previous)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import (binary_same_shape, blockwise, column_sums, empty_like, for_each_block, require_float,
+from .common import (binary_in_blocks, blockwise, column_sums, empty_like, for_each_block, require_float,
                      require_same_dtype, row_blocks, scratch, shape_of)
 
 # ---------------------------------------------------------------- erf (Cody 1969)
@@ -183,7 +183,7 @@ class GELU(Function):
     def backward(self, gy):
         d, has_bias = self.saved
         if not has_bias:
-            return binary_same_shape(np.multiply, gy, d.reshape(gy.shape))
+            return binary_in_blocks(np.multiply, gy, d.reshape(gy.shape))
         xp = get_array_module(d)
         g2 = gy.reshape(d.shape)
         gx = empty_like(d)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import add_row_vector_, aligned_matmul, binary_same_shape, column_sums, require_float, shape_of
+from .common import add_row_vector_, aligned_matmul, binary_in_blocks, column_sums, require_float, shape_of
 
 # ---------------------------------------------------------------- element-wise arithmetic
 
@@ -18,7 +18,7 @@ class Add(Function):
     """y = a + b (broadcasting).  dL/da = dL/db = gy."""
 
     def forward(self, a, b):
-        return binary_same_shape(np.add, a, b)
+        return binary_in_blocks(np.add, a, b)
 
     def backward(self, gy):
         return gy, gy

@@ -173,17 +173,27 @@ def column_sums(g2):
     return np.ones(g2.shape[0], dtype=g2.dtype) @ g2
 
 
-def binary_same_shape(ufunc, a, b):
-    """ufunc(a, b) (np.add, np.multiply) of two large C-contiguous NumPy arrays of one shape and
-    dtype, block by block among the threads (the residual adds of Eq. 2-3, GELU's backward);
-    anything else, CuPy included, as a plain ufunc(a, b)."""
-    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-            and a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous and a.size > BLOCK_ELEMENTS):
+def binary_in_blocks(ufunc, a, b):
+    """ufunc(a, b) (np.add, np.multiply) of large NumPy arrays of one dtype, block by block among the
+    threads, into a cache-line-aligned array: a and b of one shape, both C-contiguous (the residual
+    adds of Eq. 2-3, GELU's backward), or b one slice of a along a's first axis, broadcast over it
+    (b: (1, *rest) or rest, for a C-contiguous a: (B, *rest); E_pos added to every image's tokens,
+    Eq. 1). Anything else, CuPy included, as a plain ufunc(a, b)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+            and a.flags.c_contiguous and a.size > BLOCK_ELEMENTS):
         return ufunc(a, b)
-    out = empty_like(a)
-    a1, b1, o1 = a.reshape(-1), b.reshape(-1), out.reshape(-1)
-    for_each_block(lambda s: ufunc(a1[s], b1[s], out=o1[s]), flat_blocks(o1))
-    return out
+    if a.shape == b.shape and b.flags.c_contiguous:
+        out = empty_like(a)
+        a1, b1, o1 = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+        for_each_block(lambda s: ufunc(a1[s], b1[s], out=o1[s]), flat_blocks(o1))
+        return out
+    if a.ndim >= 2 and b.shape in (a.shape[1:], (1,) + a.shape[1:]):
+        out = empty_like(a)
+        per = max(1, BLOCK_ELEMENTS // (a.size // a.shape[0]))     # slices of a's first axis per block
+        starts = range(0, a.shape[0], per)
+        for_each_block(lambda r: ufunc(a[r], b, out=out[r]), [slice(i, i + per) for i in starts])
+        return out
+    return ufunc(a, b)
 
 
 # A fresh temporary of a block's size (512 KiB) is often a new mmap whose pages fault in when first
