@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ..autograd import Function
 from .basic import weight_gradient
-from .common import aligned_matmul, require_float, require_ndim, require_same_dtype, shape_of
+from .common import (add_row_vector_, aligned_matmul, column_sums, require_float, require_ndim, require_same_dtype,
+                     shape_of)
 
 
 class PatchEmbed(Function):
@@ -32,7 +33,7 @@ class PatchEmbed(Function):
                    .reshape(bsz * gh * gw, c * p * p))     # (B*N, C*P*P), a copy
         y = aligned_matmul(patches, w)                     # (B*N, D)
         if b is not None:
-            y += b
+            add_row_vector_(y, b)
         self.save(patches if self.needs_input_grad[1] else None, w, images.shape, p)
         return y.reshape(bsz, gh * gw, w.shape[1])
 
@@ -50,7 +51,7 @@ class PatchEmbed(Function):
         if need_w:
             dw = weight_gradient(patches, g)
         if need_b:
-            db = g.sum(axis=0)
+            db = column_sums(g)
         return dimages, dw, db
 
 
