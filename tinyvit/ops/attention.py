@@ -19,8 +19,7 @@ from ..autograd import Function
 from ..backend import get_array_module, random_uniform
 from .basic import weight_gradient
 from .common import (add_row_vector_, aligned_matmul, column_sums, empty, for_each_block, require_float,
-                     require_ndim,
-                     require_same_dtype, scratch, shape_of)
+                     require_ndim, require_same_dtype, scratch, shape_of)
 
 
 class MultiHeadAttention(Function):
