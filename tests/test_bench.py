@@ -55,6 +55,18 @@ def test_compare_torch(torch):
     # the same model, weights, batch and optimizer: the same losses, step after step
     np.testing.assert_allclose(report["tinyvit"]["losses"], report["torch"]["losses"], rtol=1e-4)
     assert "ratio" in bench.format_report(report)
+    # one step per round here: each round's ratio is that round's two steps
+    tiny, ref = report["tinyvit"]["step_times_s"], report["torch"]["step_times_s"]
+    assert report["round_ratios"] == pytest.approx([tiny[0] / ref[0], tiny[1] / ref[1]])
+    assert "ratio in each round: " in bench.format_report(report)
+
+
+def test_round_ratios_are_each_rounds_medians():
+    """Round i's ratio is the median of tinyvit's steps in round i over the median of PyTorch's."""
+    tiny = [1.0, 3.0, 2.0, 5.0, 4.0, 6.0, 9.0, 1.0, 1.0]
+    ref = [2.0, 2.0, 2.0, 4.0, 4.0, 5.0, 1.0, 2.0, 4.0]
+    assert bench.round_ratios(tiny, ref, 3) == [1.0, 1.25, 0.5]
+    assert bench.round_ratios(tiny[:3], ref[:3], 3) == [1.0]
 
 
 def test_invalid_settings_are_rejected():

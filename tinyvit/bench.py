@@ -418,7 +418,17 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
     if "torch" in sides:
         report["torch"].update(report.pop("torch_setup"))
         report["ratio"] = report["tinyvit"]["step_time_s"] / report["torch"]["step_time_s"]
+        report["round_ratios"] = round_ratios(report["tinyvit"]["step_times_s"], report["torch"]["step_times_s"],
+                                              steps)
     return report
+
+
+def round_ratios(tinyvit_steps, torch_steps, steps: int) -> list:
+    """Each round's own ratio, the median of tinyvit's ``steps`` step times in that round over the
+    median of PyTorch's (both lists hold the rounds one after the other): on a machine whose speed
+    drifts, their spread says how far to trust the overall ratio."""
+    return [float(np.median(tinyvit_steps[i:i + steps]) / np.median(torch_steps[i:i + steps]))
+            for i in range(0, len(tinyvit_steps), steps)]
 
 
 def _mib(n):
@@ -453,4 +463,6 @@ def format_report(report: dict) -> str:
     if "ratio" in report:
         lines.append(f"ratio (tinyvit step time / torch step time): {report['ratio']:.2f}x"
                      f"  (torch attention: {report['torch']['attention']})")
+        if len(report.get("round_ratios", [])) > 1:
+            lines.append("ratio in each round: " + " ".join(f"{r:.2f}x" for r in report["round_ratios"]))
     return "\n".join(lines)
