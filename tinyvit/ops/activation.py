@@ -193,11 +193,7 @@ class GELU(Function):
             return column_sums(gx[r]) if self.needs_input_grad[1] else None
 
         parts = for_each_block(block, row_blocks(gx))
-        gb = None
-        if self.needs_input_grad[1]:                    # the blocks' sums added in block order
-            gb = parts[0].copy()
-            for part in parts[1:]:
-                gb += part
+        gb = sum(parts) if self.needs_input_grad[1] else None   # the blocks' sums added in block order
         return gx.reshape(gy.shape), gb
 
     @staticmethod

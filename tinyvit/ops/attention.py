@@ -178,12 +178,8 @@ class MultiHeadAttention(Function):
                     for rows_of_samples in grad_rows]
 
         parts = for_each_block(grads, _sample_blocks(xp, b))
-        db_parts = None
-        if want_bias:                                     # the blocks' sums added in block order
-            db_parts = [total.copy() for total in parts[0]]
-            for part in parts[1:]:
-                for total, block_sum in zip(db_parts, part):
-                    total += block_sum
+        # the blocks' sums added in block order (per array of grad_rows)
+        db_parts = [sum(part[i] for part in parts) for i in range(len(grad_rows))] if want_bias else None
 
         dx = dw_qkv = db_qkv = None
         if m == n:
@@ -246,12 +242,9 @@ def _softmax_block_(z):
     block's largest logit when the block's logits span less than _ONE_SHIFT_SPAN (NumPy), else each
     row's own largest (any NaN or infinity takes this path too)."""
     xp = get_array_module(z)
-    if xp is np and z.size:
-        top = z.max()
-        if top - z.min() < _ONE_SHIFT_SPAN:
-            z -= top
-        else:
-            z -= z.max(axis=-1, keepdims=True)
+    top = z.max() if xp is np and z.size else None
+    if top is not None and top - z.min() < _ONE_SHIFT_SPAN:
+        z -= top
     else:
         z -= z.max(axis=-1, keepdims=True)
     xp.exp(z, out=z)
