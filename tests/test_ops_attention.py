@@ -61,6 +61,27 @@ def test_gradcheck_one_input_at_a_time(xp, rng, which):
         assert (t.grad is None) == (i != which)
 
 
+@pytest.mark.parametrize("m", [None, 2])
+def test_key_bias_gradient_is_zero_and_value_bias_gradient_follows_gy(xp, rng, m):
+    """The shortcuts backward takes for db_qkv (softmax ignores b_k; rows of A sum to 1), against
+    the sums they replace, taken from the per-head reference's own chain rule in float64."""
+    b, n, d, heads = 2, 5, 6, 3
+    x, w_qkv, b_qkv, w_proj, b_proj = arrays(rng, b, n, d)
+    rows = n if m is None else m
+    gy = rng.standard_normal((b, rows, d))
+    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in (x, w_qkv, b_qkv, w_proj, b_proj)]
+    out = F.multi_head_attention(*inputs, heads, num_queries=m)
+    out.backward(xp.asarray(gy))
+    db = to_numpy(inputs[2].grad)
+    assert np.all(db[d:2 * d] == 0)                                   # exactly: b_k shifts whole rows
+    _, attn = ref_attention(x, w_qkv, b_qkv, w_proj, b_proj, heads)
+    dctx = gy @ w_proj.T                                              # (B, M, D), heads side by side
+    dh = d // heads
+    dv = np.concatenate([attn[:, h, :rows].transpose(0, 2, 1) @ dctx[..., h * dh:(h + 1) * dh]
+                         for h in range(heads)], axis=-1)             # A^T dctx per head, (B, N, D)
+    assert_close(db[2 * d:], dv.sum(axis=(0, 1)), rtol=1e-10, atol=1e-12)
+
+
 def test_gradcheck_without_biases(xp, rng):
     x, w_qkv, _, w_proj, _ = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 3, 4)]
     tv.gradcheck(lambda x, wq, wp: F.multi_head_attention(x, wq, None, wp, None, 2), [x, w_qkv, w_proj])

@@ -44,9 +44,13 @@ class MultiHeadAttention(Function):
         dS = A * (dA - sum(dA * A, last axis))          softmax backward
         d(s q) = dS k,  dk = dS^T (s q)
         M = N: dqkv = [d(s q) | dk | dv],  dx = dqkv [s U_q | U_k | U_v]^T,  dW_qkv = x^T dqkv,
-               db_qkv = sum dqkv, and then s times the q columns: dU_q = s x^T d(s q), db_q likewise
-        M < N: the same with x^T and the sums split: x_M^T d(s q) for the q columns, x^T [dk | dv]
-               for the others; dx gets d(s q) (s U_q)^T in the first M tokens' rows only
+               and then s times the q columns: dU_q = s x^T d(s q)
+        M < N: the same with x^T split: x_M^T d(s q) for the q columns, x^T [dk | dv] for the
+               others; dx gets d(s q) (s U_q)^T in the first M tokens' rows only
+        db_qkv = [s sum d(s q) | 0 | db_v]: b_k adds q . b_k to a whole row of logits, which softmax
+               ignores, so db_k = 0 exactly; b_v adds (sum_j A'_ij) b_v to ctx_i, and without dropout
+               each row of A sums to 1, so db_v = sum_i dctx_i = W_proj sum_i gy_i (with dropout:
+               sum dv). Only the columns of d(s q) (and of dv under dropout) are summed.
 
     Layout: q, k, v are strided views into the (B, N, 3, H, dh) GEMM output (M < N: q into
     (B, M, H, dh), k and v into (B, N, 2, H, dh)), and the batched matmuls write ctx and dq, dk, dv
@@ -148,13 +152,21 @@ class MultiHeadAttention(Function):
             dq = _heads_of(dq2)
             dk, dv = _heads(dkv)
         dctx = None if gy is None else _heads_of(aligned_matmul(g2, w_proj.T).reshape(b, m, h, dh))  # (B,H,M,dh)
-        want_bias = need[2]
-        # the gradient arrays' rows per sample, in the layout of the forward's GEMM outputs
-        grad_rows = [dqkv.reshape(b, n, 3 * d)] if m == n else [dq2.reshape(b, m, d), dkv.reshape(b, n, 2 * d)]
+        # The columns of [dq | dk | dv] that db_qkv sums, per sample as (B, rows, D) views: d(s q)'s, and
+        # dv's only under dropout (see the docstring: db_k = 0, and db_v follows from gy otherwise).
+        summed = []
+        if need[2]:
+            if m == n:
+                rows_q = rows_v = dqkv.reshape(b, n, 3 * d)
+            else:
+                rows_q, rows_v = dq2.reshape(b, m, d), dkv.reshape(b, n, 2 * d)
+            summed.append(rows_q[..., :d])
+            if mask is not None and dctx is not None:
+                summed.append(rows_v[..., -d:])
 
         def grads(r):
             """The backward of Eq. 7, 6 and 5's products for the samples r, in the cache; returns
-            their share of db_qkv (the column sums of their rows of [dq | dk | dv])."""
+            their share of db_qkv (the column sums of their rows of each array of summed)."""
             a_r = a[r]
             (da,) = scratch("attention_da", 1, a_r)       # dA, then dS, for these samples only
             if dctx is not None:
@@ -172,21 +184,22 @@ class MultiHeadAttention(Function):
             _softmax_backward_block_(da.reshape(-1, n), a_r.reshape(-1, n))  # dS, in place
             xp.matmul(da, k[r], out=dq[r])                # d(s q) = dS k
             xp.matmul(da.swapaxes(-1, -2), q[r], out=dk[r])  # dk = dS^T (s q)
-            if not want_bias:
-                return None
-            return [column_sums(rows_of_samples[r].reshape(-1, rows_of_samples.shape[-1]))
-                    for rows_of_samples in grad_rows]
+            return [column_sums(cols[r].reshape(-1, d)) for cols in summed]
 
         parts = for_each_block(grads, _sample_blocks(xp, b))
-        # the blocks' sums added in block order (per array of grad_rows)
-        db_parts = [sum(part[i] for part in parts) for i in range(len(grad_rows))] if want_bias else None
+        db_qkv = None
+        if need[2]:
+            db_q, *db_v = [sum(part[i] for part in parts) for i in range(len(summed))]   # in block order
+            if not db_v:                                  # no dropout: sum_i dctx_i = W_proj sum_i gy_i
+                db_v = [xp.zeros_like(db_q) if dctx is None else
+                        w_proj @ (db_proj if db_proj is not None else column_sums(g2))]
+            db_qkv = xp.concatenate([db_q * scale, xp.zeros_like(db_q), db_v[0]])
 
-        dx = dw_qkv = db_qkv = None
+        dx = dw_qkv = None
         if m == n:
             dqkv = dqkv.reshape(b * n, 3 * d)             # back to (B*N, 3D) columns q | k | v
             dx = aligned_matmul(dqkv, w_qkv.T).reshape(b, n, d) if need[0] else None   # w_qkv: the scaled copy
             dw_qkv = weight_gradient(rows, dqkv) if need[1] else None
-            db_qkv = db_parts[0] if need[2] else None
         else:
             # M < N: k and v came from all B*N rows, q from the B*M asking rows only
             dq2, dkv = dq2.reshape(b * m, d), dkv.reshape(b * n, 2 * d)
@@ -197,13 +210,9 @@ class MultiHeadAttention(Function):
                 dw_qkv = xp.empty_like(w_qkv)
                 dw_qkv[:, :d] = weight_gradient(q_rows, dq2)
                 dw_qkv[:, d:] = weight_gradient(rows, dkv)
-            if need[2]:
-                db_qkv = xp.concatenate(db_parts)
         # The GEMMs gave the gradients of s U_q and s b_q; U_q's and b_q's are s times those (chain rule).
         if dw_qkv is not None:
             dw_qkv[:, :d] *= scale
-        if db_qkv is not None:
-            db_qkv[:d] *= scale
         return dx, dw_qkv, db_qkv, dw_proj, db_proj
 
 
