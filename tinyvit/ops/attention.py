@@ -189,11 +189,15 @@ class MultiHeadAttention(Function):
         parts = for_each_block(grads, _sample_blocks(xp, b))
         db_qkv = None
         if need[2]:
-            db_q, *db_v = [sum(part[i] for part in parts) for i in range(len(summed))]   # in block order
-            if not db_v:                                  # no dropout: sum_i dctx_i = W_proj sum_i gy_i
-                db_v = [xp.zeros_like(db_q) if dctx is None else
-                        w_proj @ (db_proj if db_proj is not None else column_sums(g2))]
-            db_qkv = xp.concatenate([db_q * scale, xp.zeros_like(db_q), db_v[0]])
+            sums = [sum(part[i] for part in parts) for i in range(len(summed))]   # in block order
+            db_q = sums[0]
+            if len(sums) > 1:                             # dropout: dv's own column sums
+                db_v = sums[1]
+            elif dctx is None:                            # no gy: dv = 0
+                db_v = xp.zeros_like(db_q)
+            else:                                         # sum_i dctx_i = W_proj sum_i gy_i
+                db_v = w_proj @ (db_proj if db_proj is not None else column_sums(g2))
+            db_qkv = xp.concatenate([db_q * scale, xp.zeros_like(db_q), db_v])
 
         dx = dw_qkv = None
         if m == n:
