@@ -189,9 +189,9 @@ def test_gelu_far_tails_are_finite(approximate):
 
 def _phi_tanh32(x):
     with np.errstate(over="ignore"):                 # as in GELU: -x^2/2 and its powers reach -+inf far out
-        z = x * x
-        z *= -0.5
-        return activation._normal_cdf_tanh32(x, z, out=np.empty_like(x))
+        w = x * x
+        w *= -0.5 * activation._LOG2_E                  # GELU's variable: exp2(w) = exp(-x^2/2)
+        return activation._normal_cdf_tanh32(x, w, out=np.empty_like(x))
 
 
 def test_gelu_float32_phi_is_accurate_and_every_coefficient_matters(monkeypatch):

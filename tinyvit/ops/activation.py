@@ -11,6 +11,7 @@ accuracy (see _PHI_TANH32), cheaper still.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -131,7 +132,8 @@ _TANH_C = 0.044715
 # (Lawson's iteratively reweighted least squares, in float64 against scipy.special.ndtr), 3e-8 in exact
 # arithmetic and 1e-7 evaluated in float32, less than Phi from Eigen's float32 erf (2.4e-7). It takes
 # 18 passes over a block where Phi from that erf takes 27, and its z is phi's exponent, which the
-# derivative needs anyway.
+# derivative needs anyway. GELU evaluates P in w = log2(e) z instead (the coefficients rescaled by
+# _in_base_two), so that phi's exp(z) is exp2(w), the cheaper function; the errors stay as above.
 # P's leading coefficient is positive and x P(z) grows with |x| past the fitted range (x P(z) > 8.4
 # for |x| > 5.3), so tanh saturates and Phi becomes exactly 0 or 1 in the tails, as it must in float32;
 # there the powers of z may overflow to +-inf, which only hastens that.
@@ -139,9 +141,20 @@ _PHI_TANH32 = (1.124016557e-07, 4.232519293e-06, 6.343636127e-05, 4.424505121e-0
                -7.266616883e-02, 7.978849415e-01)
 
 
-def _normal_cdf_tanh32(x, z, out):
-    """Phi(x) of float32 x, given z = -x^2/2, as (1 + tanh(x P(z))) / 2 written into out."""
-    u = _polyval(_PHI_TANH32, z, out=out)
+_LOG2_E = 1.0 / math.log(2.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _in_base_two(coeffs):
+    """The coefficients (highest power first) of P(z) as a polynomial in w = log2(e) z."""
+    degree = len(coeffs) - 1
+    return tuple(c / _LOG2_E ** (degree - i) for i, c in enumerate(coeffs))
+
+
+def _normal_cdf_tanh32(x, w, out):
+    """Phi(x) of float32 x, given w = -x^2/2 * log2(e) (so that exp2(w) is phi's exp(-x^2/2)), as
+    (1 + tanh(x P(z))) / 2 with P evaluated in w (coefficients rescaled once), written into out."""
+    u = _polyval(_in_base_two(_PHI_TANH32), w, out=out)
     u *= x
     np.tanh(u, out=u)
     u *= 0.5
@@ -220,10 +233,14 @@ def _gelu_block(x, y, d):
     z, spare = scratch("gelu", 2, x)
     with np.errstate(over="ignore"):          # far tails: x^2 or the powers of z become inf, harmlessly
         xp.multiply(x, x, out=z)
-        z *= -0.5                             # z = -x^2/2, phi's exponent
-        cdf = _normal_cdf_tanh32(x, z, out=spare if d is None else d) if tanh32 else _normal_cdf(x)
+        if tanh32:                            # z = -x^2/2 log2(e): exp2(z) is exp(-x^2/2), and NumPy's
+            z *= -0.5 * _LOG2_E               # float32 exp2 takes 0.7x exp's time (and is as accurate)
+            cdf = _normal_cdf_tanh32(x, z, out=spare if d is None else d)
+        else:
+            z *= -0.5                         # z = -x^2/2, phi's exponent
+            cdf = _normal_cdf(x)
         if d is not None:                     # x phi(x), before y = x Phi(x) may overwrite x
-            xp.exp(z, out=z)
+            (xp.exp2 if tanh32 else xp.exp)(z, out=z)
             z *= x
             z *= _INV_SQRT_2PI
         xp.multiply(x, cdf, out=y)
