@@ -87,19 +87,27 @@ _CORE = ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openb
          "openblas_get_corename")
 
 
-def _openblas_functions():
-    """(set_num_threads, get_num_threads, get_corename) of the OpenBLAS that NumPy loaded, found in
-    /proc/self/maps (Linux), or None (another BLAS, or another system)."""
+def openblas_libraries():
+    """The OpenBLAS libraries NumPy loaded, as ctypes.CDLL objects, found in /proc/self/maps (Linux;
+    none elsewhere, or where NumPy uses another BLAS)."""
     try:
         with open("/proc/self/maps") as f:
             paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line})
     except OSError:
-        return None
+        return []
+    libraries = []
     for path in paths:
         try:
-            lib = ctypes.CDLL(path)
+            libraries.append(ctypes.CDLL(path))
         except OSError:
             continue
+    return libraries
+
+
+def _openblas_functions():
+    """(set_num_threads, get_num_threads, get_corename) of the OpenBLAS that NumPy loaded, or None
+    (another BLAS, or another system)."""
+    for lib in openblas_libraries():
         found = [next((getattr(lib, n) for n in names if hasattr(lib, n)), None) for names in (_SET, _GET, _CORE)]
         if found[0] is not None and found[1] is not None:
             if found[2] is not None:
@@ -234,6 +242,16 @@ def cpu_threads(n: int):
             yield in_effect
     finally:
         common.set_num_threads(previous)
+
+
+def passive_torch_threads() -> bool:
+    """Before PyTorch loads: make its idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE unless
+    set), as tinyvit's do, so that neither side's threads spin through the other's timing. Read when
+    PyTorch loads: False, changing nothing, if it already has."""
+    if "torch" in sys.modules:
+        return False
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return True
 
 
 def measure_matmul_peak(device: str, dtype, repeats: int = 5) -> float:
@@ -375,8 +393,7 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
     # `import tinyvit`) and PyTorch's OpenMP threads, which otherwise spin after each parallel region
     # (measured: tinyvit's steps after PyTorch's rounds were up to 1.6x slower; PyTorch's own steps
     # did not change). Read when PyTorch loads, so only if it has not been imported yet.
-    if compare == "torch" and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if compare == "torch" and passive_torch_threads():
         report["machine"]["env"]["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
     sides = {}                               # name -> [step, sync, losses, walls, cpus, memory]
     with contextlib.ExitStack() as settings:

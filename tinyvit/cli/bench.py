@@ -14,7 +14,8 @@ def command_line(args) -> str:
     words += ["--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype]
     words += ["--tf32"] if args.tf32 else []
     words += ["--threads", str(args.threads)] if args.threads else []
-    words += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    words += ["--gemms"] if args.gemms else ["--warmup", str(args.warmup)]
+    words += ["--steps", str(args.steps)]
     words += ["--rounds", str(args.rounds)] if args.rounds != 1 else []
     if args.compare:
         words += ["--compare", args.compare, "--torch-attention", args.torch_attention]
@@ -31,6 +32,8 @@ def cmd_bench(args) -> int:
         # Found, not imported: run_benchmark sets PyTorch's thread settings before it loads.
         if importlib.util.find_spec("torch") is None:
             raise UsageError("--compare torch needs PyTorch: pip install 'tinyvit[reference]'")
+    if args.gemms:
+        return _bench_gemms(args)
     try:
         report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                                tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
@@ -40,11 +43,31 @@ def cmd_bench(args) -> int:
         raise UsageError(str(exc)) from None
     report["command"] = command_line(args)
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
+    return _write_json(report, args.json)
+
+
+def _bench_gemms(args) -> int:
+    """--gemms: the step's matrix products one by one (tinyvit.bench_gemms)."""
+    from ..bench_gemms import format_gemm_report, run_gemm_benchmark
+    if args.device != "cpu" or args.dtype != "float32" or args.tf32 or args.rounds != 1:
+        raise UsageError("--gemms times float32 CPU products: drop --device, --dtype, --tf32 and --rounds")
+    try:
+        report = run_gemm_benchmark(model=args.model, batch_size=args.batch_size, threads=args.threads,
+                                    repeats=args.steps, compare=args.compare, model_args=model_args(args.model_arg),
+                                    seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    report["command"] = command_line(args)
+    print(format_gemm_report(report))
+    return _write_json(report, args.json)
+
+
+def _write_json(report: dict, path) -> int:
+    if path:
+        with open(path, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")
-        print(f"report written to {args.json}")
+        print(f"report written to {path}")
     return 0
 
 
@@ -75,6 +98,9 @@ def register(sub) -> None:
                         "F.scaled_dot_product_attention")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s for MFU (default: measure a square matmul)")
+    p.add_argument("--gemms", action="store_true",
+                   help="instead of the step, time each 2-D matrix product of one step alone (CPU, float32): "
+                        "NumPy, OpenBLAS with beta = 1 and, with --compare torch, PyTorch; --steps calls of each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON")
     p.set_defaults(func=cmd_bench)
