@@ -33,6 +33,26 @@ def xp(request):
     return cupy
 
 
+# ---------------------------------------------------------------- the two paths: kernels and reference
+
+
+def pytest_generate_tests(metafunc):
+    """A test module that sets BOTH_PATHS = True runs each of its tests twice: with the kernels
+    (tinyvit/kernels/, the default) and with the reference ops alone (tinyvit/ops/)."""
+    if getattr(metafunc.module, "BOTH_PATHS", False) and "kernel_path" in metafunc.fixturenames:
+        metafunc.parametrize("kernel_path", ["kernels", "reference"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def kernel_path(request):
+    """'kernels' or 'reference': which implementation the switchboard (tinyvit.functional) picks
+    during the test. Kernels unless the module asks for both paths (BOTH_PATHS)."""
+    from tinyvit.kernels import use_kernels
+    path = getattr(request, "param", "kernels")
+    with use_kernels(path == "kernels"):
+        yield path
+
+
 @pytest.fixture
 def torch():
     """PyTorch, the independent reference. Skips when it is not installed, unless

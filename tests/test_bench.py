@@ -1,15 +1,26 @@
-"""`tinyvit bench` (tinyvit.bench): the report's fields on a tiny model, 1 warmup + 1 timed step.
-No timing is asserted: speed is measured by running the command, never by tests."""
+"""`tinyvit bench` (tinyvit/bench/): the record's fields on a tiny model (1 warmup + 1 timed step),
+the kernels on, off and both, the PyTorch side, the JSON records, and the command. No timing is
+asserted: speed is measured by running the command, never by tests."""
+import datetime
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+import tinyvit.kernels
 from tinyvit import bench
+from tinyvit.bench import machine
 from tinyvit.cli import main
+from tinyvit.kernels import kernels_enabled, use_kernels
+from tinyvit.kernels.cpu import threads
 
 TINY = dict(dim=16, depth=1, num_heads=2, mlp_dim=32)
+TINY_ARGS = ["--model", "vit-cifar/8", "--batch-size", "2", "--warmup", "0", "--steps", "1", "--peak-tflops", "1"] + [
+    f"--model-arg={k}={v}" for k, v in TINY.items()]
 
 
 def _run(**kwargs):
@@ -26,43 +37,113 @@ def _check_side(side, steps):
     assert len(side["losses"]) == 1 + steps and all(np.isfinite(side["losses"]))
 
 
-def test_report_fields():
+# ====================================================================== the record
+
+
+def test_record_fields():
     report = _run()
     assert report["model"] == "vit-cifar/8" and report["config"]["dim"] == 16
     assert report["batch_size"] == 4 and report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["threads"] >= 1 and report["peak_source"] == "given" and report["peak_tflops"] == 1.0
     assert report["train_flops_per_image"] > 0 and report["parameters"] > 0
+    assert report["kernels"] == "on" and report["sides"] == ["tinyvit"] and report["compare"] is None
     _check_side(report["tinyvit"], steps=1)
-    assert "torch" not in report and "ratio" not in report
-    assert "tinyvit" in bench.format_report(report)
+    assert "torch" not in report and "ratio" not in report and "readability_price" not in report
+    assert "tinyvit, kernels on" in bench.format_report(report)
+    # where, when and what: the date in UTC, the commit (None outside a git checkout), the machine
+    date = datetime.datetime.fromisoformat(report["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert report["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", report["commit"])
+    assert report["command"] is None                     # the CLI fills it in
+    m = report["machine"]
+    assert m["cpu"] and m["cpu_count"] >= 1 and m["cpu_threads_available"] >= 1 and m["numpy"] == np.__version__
+    assert {"gpus", "torch", "cupy", "blas", "numpy_build", "python", "os", "env"} <= set(m)
+    assert m["blas"] and isinstance(m["numpy_build"], dict)
+    json.dumps(report)                                    # JSON-ready as it is
+
+
+def _kernel_loads(monkeypatch):
+    """Count the kernels the switchboard hands out (tinyvit.kernels._load runs once per kernel used)."""
+    loads = []
+    real = tinyvit.kernels._load
+
+    def counting(package, where):
+        loads.append(where)
+        return real(package, where)
+    monkeypatch.setattr(tinyvit.kernels, "_load", counting)
+    return loads
+
+
+def test_kernels_off_runs_the_reference_ops(monkeypatch):
+    loads = _kernel_loads(monkeypatch)
+    report = _run(kernels="off")
+    assert report["kernels"] == "off" and report["sides"] == ["tinyvit_reference"] and loads == []
+    _check_side(report["tinyvit_reference"], steps=1)
+    assert "tinyvit, kernels off" in bench.format_report(report)
+    assert kernels_enabled()                               # the switch is back as it was
+    _run(kernels="on")
+    assert loads, "with the kernels on the step used none"
+
+
+def test_kernels_both_give_the_same_losses_and_the_price_of_readability():
+    report = _run(kernels="both", rounds=2)
+    assert report["sides"] == ["tinyvit", "tinyvit_reference"]
+    fast, plain = report["tinyvit"], report["tinyvit_reference"]
+    _check_side(fast, steps=2)
+    _check_side(plain, steps=2)
+    # the same model, weights and batch: the kernels compute what the reference ops compute
+    np.testing.assert_allclose(fast["losses"], plain["losses"], rtol=1e-5)
+    assert report["readability_price"] == pytest.approx(plain["step_time_s"] / fast["step_time_s"])
+    assert report["readability_round_ratios"] == pytest.approx(
+        [plain["step_times_s"][i] / fast["step_times_s"][i] for i in range(2)])
+    text = bench.format_report(report)
+    assert "price of readability" in text and "in each round" in text
+
+
+def test_kernels_default_follows_the_switch():
+    with use_kernels(False):
+        assert _run()["kernels"] == "off"
+        assert not kernels_enabled()
+    assert _run(kernels=True)["kernels"] == "on"
+    with pytest.raises(ValueError, match="kernels"):
+        _run(kernels="sometimes")
 
 
 def test_threads_and_dtype_are_applied_and_restored():
-    from tinyvit.ops import common
-    before = common.get_num_threads()
+    before = threads.get_num_threads()
     report = _run(threads=1, dtype="float64")
     assert report["threads"] == 1 and report["dtype"] == "float64"
     assert report["blas_threads"] in (1, None)          # None: a BLAS whose threads cannot be set
-    assert common.get_num_threads() == before
+    assert threads.get_num_threads() == before
 
 
 def test_compare_torch(torch):
-    report = _run(compare="torch", rounds=2)
-    _check_side(report["tinyvit"], steps=2)
-    _check_side(report["torch"], steps=2)
+    report = _run(compare="torch", rounds=2, kernels="both")
+    assert report["sides"] == ["tinyvit", "tinyvit_reference", "torch"]
+    for side in report["sides"]:
+        _check_side(report[side], steps=2)
     assert report["ratio"] == pytest.approx(report["tinyvit"]["step_time_s"] / report["torch"]["step_time_s"])
     assert report["torch"]["attention"] == "explicit" and report["torch"]["torch_version"] == torch.__version__
     # the same model, weights, batch and optimizer: the same losses, step after step
     np.testing.assert_allclose(report["tinyvit"]["losses"], report["torch"]["losses"], rtol=1e-4)
-    assert "ratio" in bench.format_report(report)
+    np.testing.assert_allclose(report["tinyvit_reference"]["losses"], report["torch"]["losses"], rtol=1e-4)
     # one step per round here: each round's ratio is that round's two steps
     tiny, ref = report["tinyvit"]["step_times_s"], report["torch"]["step_times_s"]
     assert report["round_ratios"] == pytest.approx([tiny[0] / ref[0], tiny[1] / ref[1]])
-    assert "ratio in each round: " in bench.format_report(report)
+    text = bench.format_report(report)
+    assert "ratio (tinyvit, kernels on step time / torch step time)" in text and "ratio in each round: " in text
+
+
+def test_compare_torch_with_the_kernels_off_compares_the_reference(torch):
+    report = _run(compare="torch", kernels="off", torch_attention="sdpa")
+    assert report["sides"] == ["tinyvit_reference", "torch"] and report["torch"]["attention"] == "sdpa"
+    assert report["ratio"] == pytest.approx(report["tinyvit_reference"]["step_time_s"]
+                                            / report["torch"]["step_time_s"])
+    np.testing.assert_allclose(report["tinyvit_reference"]["losses"], report["torch"]["losses"], rtol=1e-4)
 
 
 def test_round_ratios_are_each_rounds_medians():
-    """Round i's ratio is the median of tinyvit's steps in round i over the median of PyTorch's."""
+    """Round i's ratio is the median of one side's steps in round i over the median of the other's."""
     tiny = [1.0, 3.0, 2.0, 5.0, 4.0, 6.0, 9.0, 1.0, 1.0]
     ref = [2.0, 2.0, 2.0, 4.0, 4.0, 5.0, 1.0, 2.0, 4.0]
     assert bench.round_ratios(tiny, ref, 3) == [1.0, 1.25, 0.5]
@@ -76,27 +157,142 @@ def test_invalid_settings_are_rejected():
         _run(dtype="float16")
     with pytest.raises(ValueError, match="steps"):
         _run(rounds=0)
+    with pytest.raises(ValueError, match="compare"):
+        _run(compare="jax")
 
 
-def test_cli_writes_json(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    args = ["bench", "--model", "vit-cifar/8", "--batch-size", "2", "--warmup", "0", "--steps", "1",
-            "--peak-tflops", "1", "--json", str(out)] + [f"--model-arg={k}={v}" for k, v in TINY.items()]
-    assert main(args) == 0
+# ====================================================================== records on disk, the commit
+
+
+def test_records_are_named_by_date_commit_and_name_and_never_replaced(tmp_path):
+    report = {"date": "2026-05-09T07:35:25+00:00", "commit": "f9de1fb87f98" + "0" * 28, "model": "vit-cifar/4",
+              "device": "cpu", "dtype": "float32", "kernels": "both", "compare": "torch"}
+    assert bench.record_name(report) == "2026-05-09-f9de1fb-vit-cifar-4-cpu-float32-kernels-both-vs-torch.json"
+    assert bench.record_name(dict(report, commit=None), "my run/2") == "2026-05-09-nocommit-my-run-2.json"
+    first = bench.write_record(report, tmp_path / "records", "x")
+    second = bench.write_record(report, tmp_path / "records", "x")
+    assert first.name == "2026-05-09-f9de1fb-x.json" and second.name == "2026-05-09-f9de1fb-x-2.json"
+    assert json.loads(first.read_text()) == json.loads(second.read_text()) == report
+
+
+def test_git_commit_is_read_from_the_git_folder(tmp_path):
+    sha, other = "a" * 40, "b" * 40
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    (repo / "src").mkdir()
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert machine.git_commit(repo / "src") is None        # a branch with no commit yet
+    (repo / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{other} refs/heads/main\n")
+    assert machine.git_commit(repo / "src") == other
+    (repo / ".git" / "refs" / "heads" / "main").write_text(sha + "\n")
+    assert machine.git_commit(repo / "src") == sha          # a loose ref wins over the packed one
+    (repo / ".git" / "HEAD").write_text(other + "\n")        # detached
+    assert machine.git_commit(repo) == other
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    if machine._git_dir(outside) is None:                   # unless tmp itself lies in a checkout
+        assert machine.git_commit(outside) is None
+
+
+# ====================================================================== the command
+
+
+def test_cli_writes_json_and_records(tmp_path, capsys):
+    out, records = tmp_path / "bench.json", tmp_path / "records"
+    assert main(["bench", *TINY_ARGS, "--kernels", "both", "--json", str(out), "--record", str(records),
+                 "--record-name", "tiny"]) == 0
     report = json.loads(out.read_text())
-    assert report["batch_size"] == 2 and report["tinyvit"]["step_time_s"] > 0
-    assert report["command"].startswith("tinyvit ")
-    assert "step (median)" in capsys.readouterr().out
+    assert report["batch_size"] == 2 and report["kernels"] == "both" and report["tinyvit"]["step_time_s"] > 0
+    assert report["command"].startswith("tinyvit bench ") and "--kernels both" in report["command"]
+    [path] = records.iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d-([0-9a-f]{7}|nocommit)-tiny\.json", path.name)
+    assert json.loads(path.read_text()) == report
+    text = capsys.readouterr().out
+    assert "step (median)" in text and "price of readability" in text and str(path) in text
 
 
-def test_cli_rejects_tf32_on_cpu(capsys):
+def test_cli_kernels_off_and_the_command_that_repeats_it(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY_ARGS, "--kernels", "off", "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sides"] == ["tinyvit_reference"] and report["threads"] == 1
+    again = tmp_path / "again.json"
+    words = report["command"].split()[2:]                   # drop "tinyvit bench"
+    assert main(["bench", *words, "--json", str(again)]) == 0
+    repeated = json.loads(again.read_text())
+    assert repeated["command"] == report["command"] and repeated["config"] == report["config"]
+
+
+@pytest.mark.parametrize("extra, message", [(["--tf32"], "tf32"),
+                                            (["--record-name", "x"], "--record"),
+                                            (["--steps", "0"], "steps >= 1")])
+def test_cli_rejects_bad_settings(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "--tf32", "--steps", "1"])
+        main(["bench", *TINY_ARGS, *extra])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--gemms"], ["--kernels", "maybe"]])
+def test_cli_has_no_such_options(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *flag])
     assert exc.value.code == 2
-    assert "tf32" in capsys.readouterr().err
+    capsys.readouterr()
 
 
-# ---------------------------------------------------------------- the threaded, cache-blocked ops
+def test_tinyvit_bench_does_not_import_torch():
+    """PyTorch is an optional extra: the package, its bench and the command load without it."""
+    code = "import sys, tinyvit, tinyvit.bench, tinyvit.cli.bench; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_compare_makes_pytorch_threads_sleep_when_idle(torch):
+    """With --compare torch in a fresh process, PyTorch is loaded with OMP_WAIT_POLICY=PASSIVE
+    (unless set), and the record says so."""
+    code = ("import json; from tinyvit.bench import run_benchmark; "
+            "r = run_benchmark(model='vit-cifar/4', model_args=dict(dim=16, depth=1, num_heads=2, mlp_dim=32), "
+            "batch_size=2, steps=1, warmup=0, compare='torch', peak_tflops=1.0); "
+            "import os; print(json.dumps([r['machine']['env'].get('OMP_WAIT_POLICY'), os.environ['OMP_WAIT_POLICY']]))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["PASSIVE", "PASSIVE"]
+
+
+# ====================================================================== the PyTorch reference ViT
+
+
+@pytest.mark.parametrize("case", [dict(pool="token", posemb="learned-1d"),
+                                  dict(pool="gap", posemb="learned-2d", representation_size=6),
+                                  dict(pool="token", posemb="sincos-2d", qkv_bias=False),
+                                  dict(pool="gap", posemb="none", gelu_approximate="tanh")],
+                         ids=lambda c: f"{c['pool']}-{c['posemb']}")
+def test_load_tinyvit_weights_gives_the_same_logits(torch, case):
+    """The bench's weight copy (load_tinyvit_weights) makes the reference compute tinyvit's logits,
+    in float64; sdpa attention gives the same numbers as the explicit one."""
+    import tinyvit as tv
+    from tinyvit.backend import default_dtype
+    from tinyvit.bench.torch_vit import TorchViT, load_tinyvit_weights
+    from tinyvit.models import ViT, ViTConfig
+    tv.manual_seed(0)
+    with default_dtype(np.float64):
+        model = ViT(ViTConfig(image_size=8, patch_size=4, num_classes=3, dim=8, depth=2, num_heads=2, mlp_dim=12,
+                              **case))
+    for p in model.parameters():                            # random everywhere, the zero head included
+        p.data[...] = np.random.default_rng(p.data.size).standard_normal(p.data.shape) * 0.5
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8))
+    with tv.no_grad():
+        expected = model.eval()(tv.Tensor(x)).numpy()
+    for attention in ("explicit", "sdpa"):
+        ref = TorchViT.from_config(model.config, attention=attention).double().eval()
+        load_tinyvit_weights(ref, model)
+        with torch.no_grad():
+            np.testing.assert_allclose(ref(torch.tensor(x)).numpy(), expected, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="sdpa"):
+        ref(torch.tensor(x), return_attention=True)
+
+
+# ====================================================================== the CPU kernels' threads
 
 
 def _grads_of(fn, arrays, upstream):
@@ -109,10 +305,9 @@ def _grads_of(fn, arrays, upstream):
 
 @pytest.mark.parametrize("op", ["layer_norm", "gelu", "attention"])
 def test_threads_give_the_same_numbers(op):
-    """The element-wise blocks are split among threads; each block is computed the same way, so the
-    results must not depend on the thread count (several blocks per thread here)."""
+    """The kernels split their element-wise blocks among threads; each block is computed the same
+    way, so the results must not depend on the thread count (several blocks per thread here)."""
     from tinyvit import functional as F
-    from tinyvit.ops import common
     rng = np.random.default_rng(0)
     b, n, d = 24, 65, 96                      # LayerNorm: 1560 rows of 96, several row blocks
     x = rng.standard_normal((b, n, d)).astype(np.float32)
@@ -126,42 +321,39 @@ def test_threads_give_the_same_numbers(op):
         w = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((d, 3 * d), (3 * d,), (d, d), (d,))]
         fn, arrays = (lambda *a: F.multi_head_attention(*a, num_heads=3)), [x, *w]
     upstream = rng.standard_normal(fn(*arrays).shape).astype(np.float32)
-    before = common._num_threads
+    before = threads._num_threads
     try:
-        common.set_num_threads(1)
+        threads.set_num_threads(1)
         serial = _grads_of(fn, arrays, upstream)
-        common.set_num_threads(3)
+        threads.set_num_threads(3)
         threaded = _grads_of(fn, arrays, upstream)
     finally:
-        common.set_num_threads(before)
+        threads.set_num_threads(before)
     for s, t in zip(serial, threaded):
         np.testing.assert_array_equal(s, t)
 
 
 def test_for_each_block_nested_and_ordered():
-    from tinyvit.ops import common
-    before = common._num_threads
+    before = threads._num_threads
     try:
-        common.set_num_threads(2)
-        inner = lambda i: common.for_each_block(lambda j: 10 * i + j, list(range(3)))   # noqa: E731
-        assert common.for_each_block(inner, list(range(5))) == [[10 * i + j for j in range(3)] for i in range(5)]
+        threads.set_num_threads(2)
+        inner = lambda i: threads.for_each_block(lambda j: 10 * i + j, list(range(3)))   # noqa: E731
+        assert threads.for_each_block(inner, list(range(5))) == [[10 * i + j for j in range(3)] for i in range(5)]
         with pytest.raises(ValueError):
-            common.set_num_threads(0)
+            threads.set_num_threads(0)
     finally:
-        common.set_num_threads(before)
+        threads.set_num_threads(before)
 
 
 def test_retain_freed_memory_keeps_a_freed_array_resident():
     """After retain_freed_memory, a freed 64 MiB array stays in the process (glibc), where by default
     glibc unmaps it at once. Run in a child process: the setting is process-wide and irreversible."""
     import platform
-    import subprocess
-    import sys
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("the setting applies to glibc's malloc only")
     child = """
 import sys, numpy as np
-from tinyvit.ops.common import retain_freed_memory
+from tinyvit.kernels.cpu.threads import retain_freed_memory
 def resident_mib():
     return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
 if sys.argv[1] == 'retain':
@@ -180,9 +372,6 @@ print(resident_mib() - before)
 def test_import_sets_openblas_thread_timeout_unless_set():
     """`import tinyvit` asks OpenBLAS's idle threads to sleep at once (before NumPy loads), and
     leaves a value the user set alone."""
-    import os
-    import subprocess
-    import sys
     code = "import os, tinyvit; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -190,17 +379,3 @@ def test_import_sets_openblas_thread_timeout_unless_set():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "28"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "28"
-
-
-def test_compare_makes_pytorch_threads_sleep_when_idle(torch):
-    """With --compare torch in a fresh process, PyTorch is loaded with OMP_WAIT_POLICY=PASSIVE
-    (unless set), and the report says so."""
-    import subprocess
-    import sys
-    code = ("import json; from tinyvit.bench import run_benchmark; "
-            "r = run_benchmark(model='vit-cifar/4', model_args=dict(dim=16, depth=1, num_heads=2, mlp_dim=32), "
-            "batch_size=2, steps=1, warmup=0, compare='torch', peak_tflops=1.0); "
-            "import os; print(json.dumps([r['machine']['env'].get('OMP_WAIT_POLICY'), os.environ['OMP_WAIT_POLICY']]))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["PASSIVE", "PASSIVE"]

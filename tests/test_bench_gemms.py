@@ -1,20 +1,34 @@
-"""`tinyvit bench --gemms` (tinyvit.bench_gemms): the products it records from a step, its direct
-OpenBLAS call, and its report on a tiny model. No timing is asserted."""
+"""docs/bench/gemms.py, the standalone GEMM microbenchmark (not part of the installed package, so
+loaded here by its path): the products it records from a step, its direct OpenBLAS call, and its
+report and command line on a tiny model. No timing is asserted."""
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tinyvit import bench, bench_gemms
-from tinyvit.cli import main
-from tinyvit.ops import attention, basic, common, patch
+from tinyvit.bench import machine
+from tinyvit.kernels.cpu import threads
+
+SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "gemms.py"
 
 
-def test_records_the_products_of_a_step():
+@pytest.fixture(scope="module")
+def gemms():
+    spec = importlib.util.spec_from_file_location("tinyvit_docs_bench_gemms", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_records_the_products_of_a_step(gemms):
     # vit-mnist/4: D 128, depth 4, MLP 256, 7 x 7 patches of 1 x 4 x 4 + the class token = 50 tokens; batch 2.
-    calls = bench_gemms.record_products("vit-mnist/4", batch_size=2)
+    calls = gemms.record_products("vit-mnist/4", batch_size=2)
     rows, d, mlp, full = 2 * 50, 128, 256, 3          # the last of the 4 blocks computes class-token rows only
-    product, gradient = bench_gemms.PRODUCT, bench_gemms.GRADIENT
+    product, gradient = gemms.PRODUCT, gemms.GRADIENT
     assert calls[product, rows, d, 3 * d] == full                # qkv
     assert calls[gradient, rows, d, 3 * d] == full               # its weight gradient
     assert calls[product, rows, 3 * d, d] == full                # its dL/dx
@@ -22,16 +36,17 @@ def test_records_the_products_of_a_step():
     assert calls[gradient, rows, mlp, d] == full                 # fc2's weight gradient
     assert calls[product, 2, d, d] >= 1                          # the last block's class-token rows
     assert calls[gradient, 2 * 49, 16, d] == 1                   # the patch embedding's kernel
-    # the recording is undone: the ops call tinyvit's own functions again
-    assert attention.aligned_matmul is common.aligned_matmul and basic.aligned_matmul is common.aligned_matmul
-    assert attention.weight_gradient is basic.weight_gradient and patch.weight_gradient is basic.weight_gradient
+    # the recording is undone: every tinyvit module calls tinyvit's own functions again
+    for module, name, fn in gemms.tinyvit_functions():
+        assert fn.__module__.startswith("tinyvit."), f"{module.__name__}.{name} is still wrapped"
+    assert threads.aligned_matmul.__module__ == "tinyvit.kernels.cpu.threads"
 
 
-def test_direct_openblas_sgemm_adds_onto_c():
-    sgemm = bench_gemms.openblas_sgemm()
+def test_direct_openblas_sgemm_adds_onto_c(gemms):
+    sgemm = gemms.openblas_sgemm()
     if sgemm is None:
-        assert not bench.blas_info().startswith("OpenBLAS"), "NumPy uses OpenBLAS, but its sgemm was not found"
-        pytest.skip(f"NumPy's BLAS is {bench.blas_info()}, not an OpenBLAS")
+        assert not machine.blas_info().startswith("OpenBLAS"), "NumPy uses OpenBLAS, but its sgemm was not found"
+        pytest.skip(f"NumPy's BLAS is {machine.blas_info()}, not an OpenBLAS")
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((7, 5), dtype=np.float32), rng.standard_normal((5, 3), dtype=np.float32)
     c = np.zeros((7, 3), np.float32)
@@ -47,11 +62,12 @@ def test_direct_openblas_sgemm_adds_onto_c():
         sgemm(False, a, a, c)                           # (7, 5) @ (7, 5): would read past b
 
 
-def test_report_on_a_tiny_model():
-    threads = common._num_threads
-    report = bench_gemms.run_gemm_benchmark("vit-mnist/14", batch_size=2, threads=1, repeats=2)
-    assert common._num_threads == threads               # thread settings put back
+def test_report_on_a_tiny_model(gemms):
+    before = threads._num_threads
+    report = gemms.run_gemm_benchmark("vit-mnist/14", batch_size=2, threads=1, repeats=2)
+    assert threads._num_threads == before               # thread settings put back
     assert report["threads"] == 1 and report["repeats"] == 2 and report["products"]
+    assert report["date"] and "commit" in report and report["machine"]["cpu"]
     sides = set(report["per_step_s"])
     assert "numpy" in sides and "torch" not in sides
     for p in report["products"]:
@@ -60,25 +76,28 @@ def test_report_on_a_tiny_model():
     for side in sides:
         assert report["per_step_s"][side] == pytest.approx(sum(p["calls"] * p["seconds"][side]
                                                                 for p in report["products"]))
-    text = bench_gemms.format_gemm_report(report)
-    assert "per step: calls x median" in text and bench_gemms.GRADIENT in text
+    text = gemms.format_gemm_report(report)
+    assert "per step: calls x median" in text and gemms.GRADIENT in text
 
 
-def test_command_with_torch_and_json(tmp_path, capsys):
-    pytest.importorskip("torch")
+def test_command_with_torch_and_json(gemms, torch, tmp_path, capsys):
     out = tmp_path / "gemms.json"
-    assert main(["bench", "--gemms", "--compare", "torch", "--model", "vit-mnist/14", "--batch-size", "2",
-                 "--steps", "1", "--threads", "1", "--json", str(out)]) == 0
+    assert gemms.main(["--compare", "torch", "--model", "vit-mnist/14", "--batch-size", "2", "--repeats", "1",
+                       "--threads", "1", "--model-arg", "depth=1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert "torch" in report["per_step_s"] and report["machine"]["torch"]
-    assert "--gemms" in report["command"] and "torch" in capsys.readouterr().out
+    assert "torch" in report["per_step_s"] and report["machine"]["torch"] == torch.__version__
+    assert report["command"].startswith("python docs/bench/gemms.py --compare torch")
+    assert "torch" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, message", [(["--device", "cuda"], "float32 CPU products"),
-                                            (["--dtype", "float64"], "float32 CPU products"),
-                                            (["--rounds", "2"], "drop --device, --dtype, --tf32 and --rounds"),
-                                            (["--steps", "0"], "steps >= 1")])
-def test_command_rejects_what_it_cannot_time(extra, message, capsys):
+@pytest.mark.parametrize("extra, message", [(["--repeats", "0"], "repeats >= 1"),
+                                            (["--model-arg", "depth"], "KEY=VALUE")])
+def test_command_rejects_bad_settings(gemms, extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "--gemms", "--model", "vit-mnist/14", "--batch-size", "2", *extra])
+        gemms.main(["--model", "vit-mnist/14", "--batch-size", "2", *extra])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_script_runs_on_its_own():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True)
+    assert "usage: python docs/bench/gemms.py" in out.stdout and "--compare" in out.stdout

@@ -1,4 +1,9 @@
-"""erf, GELU (exact and tanh), softmax and log_softmax: accuracy, gradients, PyTorch parity, dtypes, errors."""
+"""erf, GELU (exact and tanh), softmax and log_softmax: accuracy, gradients, PyTorch parity, dtypes, errors.
+
+These test the ops through tinyvit.functional on both paths (BOTH_PATHS): the reference ops of
+tinyvit/ops/activation.py and the kernels the switchboard picks (kernels/cpu/gelu.py). The kernels'
+own features (the fused bias, the float32 Phi polynomial, blocks and threads) are tested in
+tests/test_kernels_cpu_gelu.py."""
 import math
 
 import numpy as np
@@ -7,10 +12,11 @@ import pytest
 import tinyvit as tv
 import tinyvit.functional as F
 from tinyvit.backend import to_numpy
-from tinyvit.ops import activation
 from tinyvit.ops.activation import erf
 
 from helpers import assert_close, param, torch_parity
+
+BOTH_PATHS = True   # every test runs with the kernels and with the reference ops (conftest.py)
 
 SHAPES = [(7,), (3, 5), (2, 1, 5), (1, 3, 1), (2, 3, 4)]
 
@@ -132,93 +138,12 @@ def test_gelu_torch_parity(torch, rng, dtype, rtol, approximate):
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 3, 4)])
-def test_gelu_with_bias_gradcheck(xp, rng, shape, approximate):
-    """gelu(x, bias=b), the MLP's fc1 bias fused into GELU: gradients of x and b (random upstream)."""
-    x, b = param(xp, rng, *shape, scale=2.0), param(xp, rng, shape[-1])
-    tv.gradcheck(lambda t, c: F.gelu(t, approximate=approximate, bias=c), [x, b])
-
-
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_gelu_with_bias_equals_gelu_of_the_sum(xp, rng, dtype, approximate):
-    """Over several row blocks (and a ragged last one) and every thread count: the fused form gives
-    gelu(x + b) and its gradients, with dL/db the row sums of dL/dx."""
-    from tinyvit.ops import common
-    h = 96
-    rows = 3 * common.BLOCK_ELEMENTS // h + 7
-    x64, b64 = rng.standard_normal((rows, h)) * 2, rng.standard_normal(h)
-    g = xp.asarray(rng.standard_normal((rows, h)), dtype=dtype)
-    previous = common._num_threads
-    try:
-        for threads in (1, 2):
-            common.set_num_threads(threads)
-            x = tv.Tensor(xp.asarray(x64, dtype=dtype), requires_grad=True)
-            b = tv.Tensor(xp.asarray(b64, dtype=dtype), requires_grad=True)
-            y = F.gelu(x, approximate=approximate, bias=b)
-            y.backward(g)
-            x2 = tv.Tensor(xp.asarray(x64, dtype=dtype), requires_grad=True)
-            b2 = tv.Tensor(xp.asarray(b64, dtype=dtype), requires_grad=True)
-            y2 = F.gelu(x2 + b2, approximate=approximate)
-            y2.backward(g)
-            tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-5)
-            assert y.dtype == dtype and x.grad.dtype == dtype and b.grad.dtype == dtype
-            assert_close(y, to_numpy(y2.data), what="gelu(x, bias=b) vs gelu(x + b)", **tol)
-            assert_close(x.grad, to_numpy(x2.grad), what="dL/dx", **tol)
-            assert_close(b.grad, to_numpy(b2.grad), what="dL/db", rtol=tol["rtol"], atol=1e-3 if dtype == np.float32 else 1e-10)
-    finally:
-        common.set_num_threads(previous)
-
-
-@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_gelu_with_bias_torch_parity(torch, rng, dtype, rtol, approximate):
-    x, b = rng.standard_normal((6, 17)) * 3, rng.standard_normal(17)
-    torch_parity(torch, lambda t, c: F.gelu(t, approximate=approximate, bias=c),
-                 lambda t, c: torch.nn.functional.gelu(t + c, approximate=approximate), [x, b], dtype, rtol)
-
-
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_far_tails_are_finite(approximate):
     x = tv.Tensor(np.array([-1e4, -50.0, 50.0, 1e4], dtype=np.float32), requires_grad=True)
     y = F.gelu(x, approximate=approximate)
     y.backward(np.ones(4, dtype=np.float32))
     np.testing.assert_allclose(y.numpy(), [0.0, 0.0, 50.0, 1e4], atol=1e-30)
     np.testing.assert_allclose(x.grad, [0.0, 0.0, 1.0, 1.0], atol=1e-30)
-
-
-def _phi_tanh32(x):
-    with np.errstate(over="ignore"):                 # as in GELU: -x^2/2 and its powers reach -+inf far out
-        w = x * x
-        w *= -0.5 * activation._LOG2_E                  # GELU's variable: exp2(w) = exp(-x^2/2)
-        return activation._normal_cdf_tanh32(x, w, out=np.empty_like(x))
-
-
-def test_gelu_float32_phi_is_accurate_and_every_coefficient_matters(monkeypatch):
-    """float32 GELU takes Phi(x) from (1 + tanh(x P(-x^2/2))) / 2 with fitted coefficients
-    (activation._PHI_TANH32): absolute error below 1.5e-7 on a dense grid of [-10, 10] (1e-7 measured),
-    and a 2% error in any one coefficient breaks that bound."""
-    x = np.linspace(-10, 10, 400_001).astype(np.float32)
-    want = 0.5 * _math_erfc(-x.astype(np.float64) / math.sqrt(2.0))     # Phi of the float32 inputs
-    got = _phi_tanh32(x)
-    assert got.dtype == np.float32
-    assert np.abs(got - want).max() < 1.5e-7
-    for k, c in enumerate(activation._PHI_TANH32):
-        for wrong in (0.98 * c, 1.02 * c):
-            coeffs = list(activation._PHI_TANH32)
-            coeffs[k] = wrong
-            monkeypatch.setattr(activation, "_PHI_TANH32", tuple(coeffs))
-            assert np.abs(_phi_tanh32(x) - want).max() > 1.5e-7, f"coefficient {k} off by 2% went unnoticed"
-            monkeypatch.undo()
-
-
-def test_gelu_float32_phi_tails_inf_and_nan():
-    """Past |x| = 6 Phi is 0 or 1 to float32 precision, and the tanh form gives exactly that, out to
-    +-inf (where the powers of -x^2/2 overflow); NaN stays NaN."""
-    far = np.array([6.0, 10.0, 50.0, 1e4, 1e30, 3e38, np.inf], dtype=np.float32)
-    np.testing.assert_array_equal(_phi_tanh32(far), 1.0)
-    np.testing.assert_array_equal(_phi_tanh32(-far), 0.0)
-    assert np.isnan(_phi_tanh32(np.array([np.nan], dtype=np.float32))).all()
 
 
 def test_gelu_float32_value_and_derivative_are_accurate():
@@ -303,10 +228,6 @@ def test_bad_input_errors():
         F.gelu(x, approximate="exact")
     with pytest.raises(TypeError, match=r"gelu: x must be a floating-point array, got dtype int64"):
         F.gelu(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(ValueError, match=r"gelu: bias must have shape \(3,\).*x of shape \(2, 3\); got \(2,\)"):
-        F.gelu(x, bias=np.zeros(2))
-    with pytest.raises(TypeError, match=r"gelu: inputs must share one floating dtype"):
-        F.gelu(x, bias=np.zeros(3, dtype=np.float32))
     with pytest.raises(ValueError, match=r"softmax: axis 2 is not an axis of an input of shape \(2, 3\)"):
         F.softmax(x, axis=2)
     with pytest.raises(ValueError, match=r"log_softmax: axis -3 is not an axis"):

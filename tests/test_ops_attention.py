@@ -1,4 +1,9 @@
-"""multi_head_attention (Eq. 5-8): gradient checks, a per-head NumPy reference, PyTorch parity, errors."""
+"""multi_head_attention (Eq. 5-8): gradient checks, a per-head NumPy reference, PyTorch parity, errors.
+
+Through tinyvit.functional on both paths (BOTH_PATHS): the reference op of tinyvit/ops/attention.py
+and the kernel the switchboard picks (kernels/cpu/attention.py). The kernel's own features (fewer
+queries, blocks of samples among threads, the block softmax, the db_qkv shortcuts) are tested in
+tests/test_kernels_cpu_attention.py."""
 import math
 
 import numpy as np
@@ -9,6 +14,8 @@ import tinyvit.functional as F
 from tinyvit.backend import random_uniform, to_numpy
 
 from helpers import assert_close, const, torch_parity
+
+BOTH_PATHS = True   # every test runs with the kernels and with the reference ops (conftest.py)
 
 
 # ---------------------------------------------------------------- a plain NumPy reference, head by head
@@ -61,27 +68,6 @@ def test_gradcheck_one_input_at_a_time(xp, rng, which):
         assert (t.grad is None) == (i != which)
 
 
-@pytest.mark.parametrize("m", [None, 2])
-def test_key_bias_gradient_is_zero_and_value_bias_gradient_follows_gy(xp, rng, m):
-    """The shortcuts backward takes for db_qkv (softmax ignores b_k; rows of A sum to 1), against
-    the sums they replace, taken from the per-head reference's own chain rule in float64."""
-    b, n, d, heads = 2, 5, 6, 3
-    x, w_qkv, b_qkv, w_proj, b_proj = arrays(rng, b, n, d)
-    rows = n if m is None else m
-    gy = rng.standard_normal((b, rows, d))
-    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in (x, w_qkv, b_qkv, w_proj, b_proj)]
-    out = F.multi_head_attention(*inputs, heads, num_queries=m)
-    out.backward(xp.asarray(gy))
-    db = to_numpy(inputs[2].grad)
-    assert np.all(db[d:2 * d] == 0)                                   # exactly: b_k shifts whole rows
-    _, attn = ref_attention(x, w_qkv, b_qkv, w_proj, b_proj, heads)
-    dctx = gy @ w_proj.T                                              # (B, M, D), heads side by side
-    dh = d // heads
-    dv = np.concatenate([attn[:, h, :rows].transpose(0, 2, 1) @ dctx[..., h * dh:(h + 1) * dh]
-                         for h in range(heads)], axis=-1)             # A^T dctx per head, (B, N, D)
-    assert_close(db[2 * d:], dv.sum(axis=(0, 1)), rtol=1e-10, atol=1e-12)
-
-
 def test_gradcheck_without_biases(xp, rng):
     x, w_qkv, _, w_proj, _ = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 3, 4)]
     tv.gradcheck(lambda x, wq, wp: F.multi_head_attention(x, wq, None, wp, None, 2), [x, w_qkv, w_proj])
@@ -114,61 +100,6 @@ def test_gradcheck_with_attention_dropout(xp, rng, b, n, d, heads):
         return F.multi_head_attention(*t, heads, attn_dropout=0.4, training=True)
 
     tv.gradcheck(fn, inputs)
-
-
-@pytest.mark.parametrize("b,n,d,heads,m", [(2, 5, 6, 2, 1), (1, 4, 8, 4, 3), (3, 3, 3, 1, 2)])
-def test_gradcheck_with_fewer_queries(xp, rng, b, n, d, heads, m):
-    """num_queries=M: only the first M tokens ask; every token still gets a gradient (as key/value)."""
-    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, b, n, d)]
-    tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, num_queries=m), inputs)
-    tv.gradcheck(lambda *t: F.multi_head_attention(*t, heads, return_attention=True, num_queries=m), inputs)
-
-    def dropped(*t):
-        tv.manual_seed(3)
-        return F.multi_head_attention(*t, heads, attn_dropout=0.3, training=True, num_queries=m)
-
-    tv.get_array_module(xp.zeros(1))
-    tv.gradcheck(dropped, inputs)
-
-
-@pytest.mark.parametrize("which", range(5))
-def test_gradcheck_fewer_queries_one_input_at_a_time(xp, rng, which):
-    """M < N takes its own path (q from the M asking rows, k and v from all N): each input alone."""
-    inputs = [tv.Tensor(xp.asarray(a), requires_grad=(i == which)) for i, a in enumerate(arrays(rng, 2, 4, 6))]
-    tv.gradcheck(lambda *t: F.multi_head_attention(*t, 2, num_queries=2), inputs)
-    for i, t in enumerate(inputs):
-        assert (t.grad is None) == (i != which)
-
-
-@pytest.mark.parametrize("m", [1, 2])
-def test_gradcheck_fewer_queries_without_biases(xp, rng, m):
-    x, w_qkv, _, w_proj, _ = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 4, 6)]
-    tv.gradcheck(lambda x, wq, wp: F.multi_head_attention(x, wq, None, wp, None, 3, num_queries=m),
-                 [x, w_qkv, w_proj])
-
-
-def test_gradcheck_fewer_queries_attention_map_alone(xp, rng):
-    """Only the (B, H, M, N) map feeds the loss: no output gradient reaches backward."""
-    inputs = [tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays(rng, 2, 5, 6)]
-    tv.gradcheck(lambda *t: F.multi_head_attention(*t, 2, return_attention=True, num_queries=2)[1], inputs)
-
-
-@pytest.mark.parametrize("m", [1, 3, 5])
-def test_fewer_queries_are_the_first_rows_of_full_attention(xp, rng, m):
-    a = arrays(rng, 2, 5, 6, scale=1.0)
-    out, attn = F.multi_head_attention(*[xp.asarray(t) for t in a], 3, return_attention=True, num_queries=m)
-    ref_out, ref_attn = ref_attention(*a, 3)
-    assert out.shape == (2, m, 6) and attn.shape == (2, 3, m, 5)
-    assert_close(out, ref_out[:, :m], rtol=1e-10, atol=1e-12, what="output")
-    assert_close(attn, ref_attn[:, :, :m], rtol=1e-10, atol=1e-12, what="attention")
-
-
-def test_fewer_queries_torch_parity(torch, rng):
-    def reference(x, w_qkv, b_qkv, w_proj, b_proj):
-        return torch_attention(torch, 2)(x, w_qkv, b_qkv, w_proj, b_proj)[:, :2]
-
-    torch_parity(torch, lambda *t: F.multi_head_attention(*t, 2, num_queries=2), reference,
-                 arrays(rng, 3, 6, 8), np.float64, 1e-6)
 
 
 # ---------------------------------------------------------------- forward against the reference
@@ -311,108 +242,9 @@ def test_errors():
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_qkv, 2)
     with pytest.raises(ValueError, match="w_qkv and w_proj are required"):
         F.multi_head_attention(x, None, b_qkv, w_proj, b_proj, 2)
-    for bad in (0, 4, 1.0, True):
-        with pytest.raises(ValueError, match=r"num_queries must be an integer in \[1, N=3\]"):
-            F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, 2, num_queries=bad)
     with pytest.raises(ValueError, match=r"attn_dropout must be a probability in \[0, 1\]"):
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, 2, attn_dropout=1.5)
     with pytest.raises(TypeError, match="x must be a floating-point array"):
         F.multi_head_attention(x.astype(np.int32), w_qkv, b_qkv, w_proj, b_proj, 2)
     with pytest.raises(TypeError, match="one floating dtype.*w_proj float64"):
         F.multi_head_attention(x, w_qkv, b_qkv, w_proj.astype(np.float64), b_proj, 2)
-
-
-# ---------------------------------------------------------------- blocks of samples among threads
-
-
-@pytest.mark.parametrize("m", [None, 1, 3])
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_blocks_of_samples_give_the_one_block_result(rng, monkeypatch, m, dropout):
-    """On NumPy each block of SAMPLES_PER_BLOCK samples runs its bias add, logits, softmax and A v
-    (and their backward) while in the cache, blocks shared among threads. A batch of three blocks
-    (16 + 16 + 5 samples) on 1 and 2 threads gives the output, attention map and every gradient
-    of the whole batch as one block (float64; the bias gradients are summed block by block)."""
-    from tinyvit import backend
-    from tinyvit.ops import attention as attention_ops
-    from tinyvit.ops import common
-    b, n, d, heads = 37, 6, 8, 2
-    data = arrays(rng, b, n, d)
-    g_out = rng.standard_normal((b, n if m is None else m, d))
-    g_attn = rng.standard_normal((b, heads, n if m is None else m, n))
-    results = {}
-    previous = common.get_num_threads()
-    try:
-        for label, per_block, threads in [("one block", 10_000, 1), ("blocks, 1 thread", 16, 1),
-                                          ("blocks, 2 threads", 16, 2)]:
-            monkeypatch.setattr(attention_ops, "SAMPLES_PER_BLOCK", per_block)
-            common.set_num_threads(threads)
-            backend.manual_seed(3)                       # the same dropout mask each time
-            ins = [tv.Tensor(a, requires_grad=True) for a in data]
-            out, attn = F.multi_head_attention(*ins, heads, attn_dropout=dropout, training=dropout > 0,
-                                               return_attention=True, num_queries=m)
-            ((out * tv.Tensor(g_out)).sum() + (attn * tv.Tensor(g_attn)).sum()).backward()
-            results[label] = [out.data, attn.data] + [t.grad for t in ins]
-    finally:
-        common.set_num_threads(previous)
-    names = ["out", "attn", "dx", "dw_qkv", "db_qkv", "dw_proj", "db_proj"]
-    for label in ("blocks, 1 thread", "blocks, 2 threads"):
-        for name, got, want in zip(names, results[label], results["one block"]):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{label}: {name}")
-    if dropout == 0.0:                                   # and the plain per-head reference agrees
-        ref_out, ref_attn = ref_attention(*data, heads)
-        rows = slice(None) if m is None else slice(0, m)
-        assert_close(results["one block"][0], ref_out[:, rows], rtol=1e-10, atol=1e-12, what="out")
-        assert_close(results["one block"][1], ref_attn[:, :, rows], rtol=1e-10, atol=1e-12, what="attn")
-
-
-# ---------------------------------------------------------------- the block softmax's shift
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("spread", [3.0, 40.0, 200.0])
-def test_block_softmax_matches_a_per_row_reference(rng, dtype, spread):
-    """_softmax_block_ shifts a whole block by its largest logit when the block's logits span less
-    than _ONE_SHIFT_SPAN, else each row by its own; either way each row equals the plain float64
-    softmax. spread 200: rows of very different levels (the per-row path); smaller: one shift."""
-    from tinyvit.ops import attention as attention_ops
-    z = rng.standard_normal((50, 65)) + rng.uniform(-spread / 2, spread / 2, size=(50, 1))
-    want = np.exp(z - z.max(axis=1, keepdims=True))
-    want /= want.sum(axis=1, keepdims=True)
-    got = z.astype(dtype)
-    attention_ops._softmax_block_(got)
-    assert got.dtype == dtype
-    tol = 1e-6 if dtype == np.float32 else 1e-13
-    np.testing.assert_allclose(got, want, rtol=tol * 10, atol=tol)
-    np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=tol * 10)
-
-
-def test_one_shift_for_a_wide_block_would_lose_rows(rng, monkeypatch):
-    """Why the span guard exists: shifting a block whose rows differ by 200 by its overall max
-    underflows the low rows' exp to zero (0/0: NaN); with the guard those rows are exact."""
-    from tinyvit.ops import attention as attention_ops
-    z = rng.standard_normal((4, 65)).astype(np.float32)
-    z[:2] += 200.0
-    guarded = z.copy()
-    attention_ops._softmax_block_(guarded)
-    assert np.isfinite(guarded).all()
-    monkeypatch.setattr(attention_ops, "_ONE_SHIFT_SPAN", np.inf)
-    unguarded = z.copy()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        attention_ops._softmax_block_(unguarded)
-    assert not np.isfinite(unguarded[2:]).all()
-    np.testing.assert_allclose(unguarded[:2], guarded[:2], rtol=1e-6)
-
-
-def test_block_softmax_keeps_nan_and_infinite_logits_to_their_rows(rng):
-    """A NaN (or +inf) logit takes the per-row path: it spoils its own row only."""
-    from tinyvit.ops import attention as attention_ops
-    z = rng.standard_normal((3, 6))
-    z[0, 2] = np.nan
-    z[1, 4] = -np.inf                                     # a masked-out logit: weight exactly 0
-    got = z.copy()
-    with np.errstate(invalid="ignore"):
-        attention_ops._softmax_block_(got)
-    assert np.isnan(got[0]).all()
-    assert got[1, 4] == 0.0 and np.isclose(got[1].sum(), 1.0)
-    want = np.exp(z[2] - z[2].max())
-    np.testing.assert_allclose(got[2], want / want.sum(), rtol=1e-13)

@@ -1,4 +1,8 @@
-"""Arithmetic, reductions, shape ops, matmul and linear: gradcheck, NumPy forward, PyTorch parity."""
+"""Arithmetic, reductions, shape ops, matmul and linear: gradcheck, NumPy forward, PyTorch parity.
+
+Through tinyvit.functional on both paths (BOTH_PATHS): the reference ops of tinyvit/ops/basic.py and,
+for linear, the kernel the switchboard picks (kernels/cpu/linear.py). The kernels' machinery (row
+blocks, threads, cache-line-aligned outputs) is tested in tests/test_kernels_cpu.py."""
 import numpy as np
 import pytest
 
@@ -8,6 +12,8 @@ from tinyvit.backend import to_numpy
 from tinyvit.gradcheck import gradcheck
 
 from helpers import assert_close, param, torch_parity
+
+BOTH_PATHS = True   # every test runs with the kernels and with the reference ops (conftest.py)
 
 # (name, our function, NumPy reference, input shapes, torch function). Shapes cover broadcasting,
 # odd sizes and size-1 axes. Inputs of log/sqrt/div are shifted positive in `positive`.
@@ -165,75 +171,8 @@ def test_shape_errors_name_both_shapes(rng):
         F.linear(np.zeros((2, 4), np.int64), b)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_threaded_row_helpers_match_numpy(threads):
-    """The bias add, bias gradient and same-shape ufuncs that run in blocks of rows among the ops'
-    threads give NumPy's whole-array answers, for arrays of several blocks and a ragged last one."""
-    from tinyvit.ops import common
-    rng = np.random.default_rng(0)
-    y = rng.standard_normal((3 * common.BLOCK_ELEMENTS // 96 + 7, 96)).astype(np.float32)
-    b = rng.standard_normal(96).astype(np.float32)
-    z = rng.standard_normal(y.shape).astype(np.float32)
-    previous = common._num_threads
-    common.set_num_threads(threads)
-    try:
-        np.testing.assert_array_equal(common.add_row_vector_(y.copy(), b), y + b)
-        np.testing.assert_allclose(common.column_sums(y), y.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
-        np.testing.assert_array_equal(common.binary_in_blocks(np.add, y, z), y + z)
-        np.testing.assert_array_equal(common.binary_in_blocks(np.multiply, y, z), y * z)
-        small = y[:3]
-        np.testing.assert_array_equal(common.binary_in_blocks(np.add, small, small), small + small)
-        tokens = y[:y.shape[0] // 48 * 48].reshape(-1, 48, 96)   # 85 samples: blocks of 28, a ragged last
-        for pos in (z[:48][None], z[:48], z[:1]):          # (1, N, D), (N, D); (1, D) broadcasts too
-            np.testing.assert_array_equal(common.binary_in_blocks(np.add, tokens, pos), tokens + pos)
-    finally:
-        common.set_num_threads(previous)
-
-
-# ---------------------------------------------------------------- cache-line-aligned outputs
-
-
-def is_aligned(a):
-    from tinyvit.ops import common
-    return a.ctypes.data % common.CACHE_LINE == 0
-
-
-@pytest.mark.parametrize("shape,dtype", [((8320, 192), np.float32), ((3, 5, 7), np.float64), ((0, 4), np.float32),
-                                         ((), np.float32), ((13,), np.int64)])
-def test_empty_is_cache_line_aligned(shape, dtype):
-    """common.empty gives a writable array of the asked shape and dtype starting on a 64-byte line,
-    whatever the offset malloc returned (several allocations, so that an aligned one by chance
-    cannot pass for all), and common.aligned_matmul a product in such an array."""
-    from tinyvit.ops import common
-    arrays = [common.empty(shape, dtype) for _ in range(8)]
-    for a in arrays:
-        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
-        assert is_aligned(a) or a.size == 0
-        a[...] = 1                                       # all of it is ours to write
-    like = common.empty_like(np.zeros((5, 3), np.float32))
-    assert like.shape == (5, 3) and like.dtype == np.float32 and is_aligned(like)
-    rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((37, 11)), rng.standard_normal((11, 5))
-    for _ in range(4):
-        y = common.aligned_matmul(x, w)
-        assert is_aligned(y)
-        np.testing.assert_array_equal(y, x @ w)
-    y = common.aligned_matmul(x.astype(np.float32), w.T.astype(np.float32).T)   # strided operand, float32 out
-    assert y.dtype == np.float32 and is_aligned(y)
-
-
-def test_hot_kernels_write_aligned_outputs(rng):
-    """The element-wise kernels' outputs and the GEMM outputs they then update in place start on a
-    cache line (a misaligned output made their stores straddle two lines: up to 3x slower). Four
-    rounds, so that malloc's 16-byte alignment cannot pass by chance (1 in 4 per array)."""
-    x = rng.standard_normal((4, 65, 48)).astype(np.float32)
-    w, b = rng.standard_normal((48, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
-    w_qkv, w_proj = rng.standard_normal((48, 144)).astype(np.float32), rng.standard_normal((48, 48)).astype(np.float32)
-    for _ in range(4):
-        outputs = {"linear": F.linear(x, w, b), "gelu": F.gelu(x), "gelu with bias": F.gelu(x, bias=x[0, 0]),
-                   "layer_norm": F.layer_norm(x, None, None)}
-        outputs["add_layer_norm s"], outputs["add_layer_norm y"] = F.add_layer_norm(x, x, None, None)
-        outputs["attention"], outputs["attention weights"] = F.multi_head_attention(
-            x, w_qkv, None, w_proj, None, 3, return_attention=True)
-        for name, t in outputs.items():
-            assert is_aligned(t.data), name
+def test_linear_mixed_dtypes_are_rejected():
+    """A float32 input with a float64 weight is an error naming both, not a silent float64 output
+    whose backward then fails."""
+    with pytest.raises(TypeError, match="one floating dtype"):
+        F.linear(np.ones((2, 3), np.float32), np.ones((3, 2)))

@@ -1,4 +1,9 @@
-"""layer_norm, group_norm, weight_standardize: gradient checks, NumPy references, PyTorch parity, errors."""
+"""layer_norm, group_norm, weight_standardize: gradient checks, NumPy references, PyTorch parity, errors.
+
+Through tinyvit.functional on both paths (BOTH_PATHS): the reference ops of tinyvit/ops/norm.py and,
+for layer_norm, the kernel the switchboard picks (kernels/cpu/layernorm.py). The kernel-only fusions
+(add_layer_norm, fold_norm_affine) and the kernel's blocks and threads are tested in
+tests/test_kernels_cpu_layernorm.py."""
 import numpy as np
 import pytest
 
@@ -9,6 +14,8 @@ from tinyvit.gradcheck import GradcheckError
 from tinyvit.ops import norm as norm_ops
 
 from helpers import assert_close, const, param, torch_parity
+
+BOTH_PATHS = True   # every test runs with the kernels and with the reference ops (conftest.py)
 
 
 # ---------------------------------------------------------------- NumPy references (written plainly)
@@ -92,8 +99,8 @@ def test_a_wrong_backward_is_caught(xp, rng):
 
     class BrokenLayerNorm(norm_ops.LayerNorm):
         def backward(self, gy):
-            x2, mean, inv_std, gamma = self.saved
-            g = gy.reshape(x2.shape) * gamma
+            x_hat, inv_std, gamma = self.saved
+            g = gy.reshape(x_hat.shape) * gamma
             dx = inv_std * (g - g.mean(-1, keepdims=True))          # forgot - x_hat * mean(g * x_hat)
             return dx.reshape(gy.shape), None, None
 
@@ -102,182 +109,6 @@ def test_a_wrong_backward_is_caught(xp, rng):
     b = const(xp, rng.standard_normal(5))
     with pytest.raises(GradcheckError):
         tv.gradcheck(lambda x: BrokenLayerNorm.apply(x, w, b, 1e-6), [x])
-
-
-# ---------------------------------------------------------------- add_layer_norm (residual add + LN)
-
-
-@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 7), (1, 1, 4)])
-@pytest.mark.parametrize("affine", [True, False])
-def test_add_layer_norm_gradcheck_every_input(xp, rng, shape, affine):
-    """Both outputs (s = x + branch and y = LN(s)) get a random upstream gradient."""
-    d = shape[-1]
-    x, branch = param(xp, rng, *shape, scale=2.0), param(xp, rng, *shape)
-    if affine:
-        w, b = param(xp, rng, d), param(xp, rng, d)
-        tv.gradcheck(lambda x, r, w, b: F.add_layer_norm(x, r, w, b), [x, branch, w, b])
-    else:
-        tv.gradcheck(lambda x, r: F.add_layer_norm(x, r, None, None), [x, branch])
-
-
-@pytest.mark.parametrize("which", ["s", "y"])
-def test_add_layer_norm_gradcheck_one_output_used(xp, rng, which):
-    """Only the residual stream s, or only the normalised y, feeds the loss."""
-    x, branch, w, b = (param(xp, rng, 2, 3, 6), param(xp, rng, 2, 3, 6), param(xp, rng, 6), param(xp, rng, 6))
-    pick = 0 if which == "s" else 1
-    tv.gradcheck(lambda x, r, w, b: F.add_layer_norm(x, r, w, b)[pick], [x, branch, w, b])
-    if which == "s":                    # LN's parameters are not on the path of s
-        assert w.grad is None and b.grad is None
-
-
-def values_and_gradients(variants, arrays, gs, gy, dtype, threads):
-    """For each variant (input Tensors -> (s, y)): [s, y, every input's gradient] under the upstream
-    gradients gs of s and gy of y, computed in dtype on ``threads`` threads."""
-    from tinyvit.ops import common
-    results = []
-    previous = common.get_num_threads()
-    common.set_num_threads(threads)
-    try:
-        for variant in variants:
-            ins = [tv.Tensor(np.asarray(a, dtype=dtype), requires_grad=True) for a in arrays]
-            s, y = variant(*ins)
-            (s * tv.Tensor(gs)).sum().backward(retain_graph=True)
-            y.backward(gy)
-            results.append([s.data, y.data] + [t.grad for t in ins])
-    finally:
-        common.set_num_threads(previous)
-    return results
-
-
-def several_blocks_of_rows(rng, dtype, with_affine):
-    """Inputs of 6000 rows of 192 (vit-cifar's width): several cache blocks of LayerNorm's."""
-    shape = (6, 1000, 192)
-    arrays = [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(shape)]
-    if with_affine:
-        arrays += [rng.standard_normal(192), rng.standard_normal(192)]
-    gs, gy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
-    return arrays, gs, gy
-
-
-@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_add_layer_norm_equals_add_then_layer_norm(rng, dtype, rtol, atol, threads):
-    """Values and every gradient equal those of x + branch followed by layer_norm, on an array of
-    several cache blocks shared among 1 or 2 threads."""
-    arrays, gs, gy = several_blocks_of_rows(rng, dtype, with_affine=True)
-
-    def separate(x, r, w, b):
-        s = x + r
-        return s, F.layer_norm(s, w, b)
-
-    results = values_and_gradients([F.add_layer_norm, separate], arrays, gs, gy, dtype, threads)
-    names = ["s", "y", "dx", "dbranch", "dweight", "dbias"]
-    for name, a, b in zip(names, *results):
-        assert a.dtype == dtype, name
-        assert_close(a, b, rtol=rtol, atol=atol * (100 if name in ("dweight", "dbias") else 1), what=name)
-
-
-@pytest.mark.parametrize("dtype,rtol,atol", [(np.float64, 1e-12, 1e-12), (np.float32, 2e-5, 2e-5)])
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fused", [True, False])
-def test_no_scale_and_shift_equals_unit_scale_and_zero_shift(rng, dtype, rtol, atol, threads, fused):
-    """Without gamma and beta, LayerNorm saves its output x_hat and backward works from it; with
-    gamma = 1 and beta = 0 it saves s and rebuilds s - mean. Both paths give the same values and
-    gradients (add_layer_norm, or layer_norm after a separate add), on several cache blocks of
-    rows shared among 1 or 2 threads."""
-    arrays, gs, gy = several_blocks_of_rows(rng, dtype, with_affine=False)
-    ones, zeros = np.ones(192, dtype), np.zeros(192, dtype)
-
-    def norm(affine):
-        w, b = (ones, zeros) if affine else (None, None)
-        if fused:
-            return lambda x, r: F.add_layer_norm(x, r, w, b)
-        return lambda x, r: (x + r, F.layer_norm(x + r, w, b))
-
-    results = values_and_gradients([norm(False), norm(True)], arrays, gs, gy, dtype, threads)
-    for name, a, b in zip(["s", "y", "dx", "dbranch"], *results):
-        assert a.dtype == dtype, name
-        assert_close(a, b, rtol=rtol, atol=atol, what=name)
-
-
-@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])
-def test_add_layer_norm_torch_parity(torch, rng, dtype, rtol):
-    x, r = rng.standard_normal((2, 5, 12)) * 3 + 1, rng.standard_normal((2, 5, 12))
-    w, b = rng.standard_normal(12), rng.standard_normal(12)
-
-    def ours(x, r, w, b):
-        s, y = F.add_layer_norm(x, r, w, b)
-        return F.concat([s, y], axis=0)                    # both outputs under one upstream gradient
-
-    def theirs(x, r, w, b):
-        s = x + r
-        return torch.cat([s, torch.nn.functional.layer_norm(s, (12,), w, b, eps=1e-6)], dim=0)
-
-    torch_parity(torch, ours, theirs, [x, r, w, b], dtype, rtol)
-
-
-def test_add_layer_norm_errors(rng):
-    x = np.zeros((2, 3, 4))
-    with pytest.raises(ValueError, match="branch must have x's shape"):
-        F.add_layer_norm(x, np.zeros((2, 1, 4)), None, None)
-    with pytest.raises(ValueError, match="weight must have shape"):
-        F.add_layer_norm(x, x, np.ones(3), None)
-    with pytest.raises(TypeError):
-        F.add_layer_norm(x, x.astype(np.float32), None, None)
-
-
-def test_a_wrong_add_layer_norm_backward_is_caught(xp, rng):
-    """Dropping the residual's own gradient from dL/dx is rejected by the gradient check."""
-
-    class Broken(norm_ops.AddLayerNorm):
-        def backward(self, gs, gy):
-            return super().backward(None, gy)
-
-    x, r = param(xp, rng, 2, 5), param(xp, rng, 2, 5)
-    with pytest.raises(GradcheckError):
-        tv.gradcheck(lambda x, r: Broken.apply(x, r, None, None, 1e-6), [x, r])
-
-
-# ---------------------------------------------------------------- fold_norm_affine
-
-
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_fold_norm_affine_gradcheck(xp, rng, with_bias):
-    g, beta, w = param(xp, rng, 5), param(xp, rng, 5), param(xp, rng, 5, 7)
-    ins = [g, beta, w] + ([param(xp, rng, 7)] if with_bias else [])
-    tv.gradcheck(lambda *a: F.fold_norm_affine(*a, *([] if with_bias else [None])), ins)
-
-
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_folded_linear_equals_norm_then_linear(xp, rng, with_bias):
-    """linear(layer_norm(x, None, None), w', b') with (w', b') = fold(...) equals
-    linear(layer_norm(x, gamma, beta), W, bias): values and every gradient (float64)."""
-    arrays = [rng.standard_normal((3, 4, 6)) * 2, rng.standard_normal(6), rng.standard_normal(6),
-              rng.standard_normal((6, 5)), rng.standard_normal(5) if with_bias else None]
-    upstream = rng.standard_normal((3, 4, 5))
-    grads = []
-    for folded in (True, False):
-        x, g, beta, w, b = [None if a is None else tv.Tensor(xp.asarray(a), requires_grad=True) for a in arrays]
-        if folded:
-            w2, b2 = F.fold_norm_affine(g, beta, w, b)
-            y = F.linear(F.layer_norm(x, None, None), w2, b2)
-        else:
-            y = F.linear(F.layer_norm(x, g, beta), w, b)
-        y.backward(xp.asarray(upstream))
-        grads.append([y] + [t.grad for t in (x, g, beta, w, b) if t is not None])
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert_close(a, to_numpy(getattr(b, "data", b)), rtol=1e-10, atol=1e-12, what=f"item {i}")
-
-
-def test_fold_norm_affine_errors():
-    with pytest.raises(ValueError, match="weight must be 2-D"):
-        F.fold_norm_affine(np.ones(3), np.ones(3), np.ones(3), None)
-    with pytest.raises(ValueError, match="norm_weight must have shape"):
-        F.fold_norm_affine(np.ones(4), np.ones(3), np.ones((3, 2)), None)
-    with pytest.raises(ValueError, match="bias must have shape"):
-        F.fold_norm_affine(np.ones(3), np.ones(3), np.ones((3, 2)), np.ones(3))
-    with pytest.raises(ValueError, match="are required"):
-        F.fold_norm_affine(None, np.ones(3), np.ones((3, 2)), None)
 
 
 # ---------------------------------------------------------------- group_norm

@@ -197,40 +197,6 @@ def test_step_is_in_place_and_keeps_dtype():
     assert opt.state[id(p)]["exp_avg"].dtype == np.float32
 
 
-@pytest.mark.parametrize("make", [lambda ps: optim.AdamW(ps, lr=0.01, weight_decay=0.1),
-                                  lambda ps: optim.SGD(ps, lr=0.01, momentum=0.9, nesterov=True)])
-def test_threaded_step_equals_one_thread(make, monkeypatch):
-    """Large parameters are updated in the ops' threads, small ones in the caller's: on 1 and 2
-    threads, the same numbers bit for bit as every update in the caller's thread, one after the
-    other (parameters on both sides of the size threshold)."""
-    from tinyvit.ops import common
-    rng = np.random.default_rng(0)
-    size = optim._THREADED_UPDATE_SIZE
-    shapes = [(300, 200), (size,), (7,), (64, 64), (3, 5)]
-    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
-    assert {a.size >= size for a in init} == {True, False}
-    finals = {}
-    previous = common.get_num_threads()
-    try:
-        for label, threads, threshold in [("in the caller", 1, 1 << 62), ("1 thread", 1, size), ("2 threads", 2, size)]:
-            monkeypatch.setattr(optim, "_THREADED_UPDATE_SIZE", threshold)
-            common.set_num_threads(threads)
-            ps = [nn.Parameter(a.copy()) for a in init]
-            opt = make(ps)
-            for step_grads in grads:
-                for p, g in zip(ps, step_grads):
-                    p.grad = g
-                opt.step()
-            finals[label] = [p.data for p in ps]
-    finally:
-        common.set_num_threads(previous)
-    for label in ("1 thread", "2 threads"):
-        for i, (got, want) in enumerate(zip(finals[label], finals["in the caller"])):
-            assert not np.array_equal(got, init[i]), f"{label}: parameter {i} not updated"
-            np.testing.assert_array_equal(got, want, err_msg=f"{label}: parameter {i}")
-
-
 def test_grad_is_never_modified(xp):
     p = nn.Parameter(xp.asarray([1.0, 2.0]))
     g = xp.asarray([0.5, -0.5])

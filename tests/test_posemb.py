@@ -116,7 +116,7 @@ def test_sincos_2d_shape_range_and_first_rows():
 
 
 def test_sincos_2d_matches_the_torch_reference(torch):
-    from torch_vit import sincos_2d_torch
+    from tinyvit.bench.torch_vit import sincos_2d_torch
     np.testing.assert_allclose(sincos_2d(4, 6, 32), sincos_2d_torch(4, 6, 32).numpy(), atol=1e-12)
 
 

@@ -1,5 +1,5 @@
 """The ViT model end to end: a gradient check of every parameter for every option, parity with an
-independent PyTorch ViT (tests/torch_vit.py), attention maps, the paper's initialisation and dropout
+independent PyTorch ViT (tinyvit/bench/torch_vit.py), attention maps, the paper's initialisation and dropout
 placement, Table 1's parameter counts, FLOPs, head replacement, input errors, and overfitting."""
 import math
 from dataclasses import asdict, replace
@@ -14,6 +14,8 @@ from tinyvit.backend import default_dtype, to_numpy
 from tinyvit.models import ViT, ViTConfig, config_for, count_parameters, create, known_names, training_flops
 
 from helpers import assert_close
+
+BOTH_PATHS = True   # every test runs with the kernels and with the reference ops (conftest.py)
 
 # image 8, patch 4 (a 2x2 grid, N = 4), C = 3, D = 8, two blocks of two heads, MLP 12, K = 3
 TINY = dict(image_size=8, patch_size=4, in_channels=3, num_classes=3, dim=8, depth=2, num_heads=2, mlp_dim=12)
@@ -99,15 +101,15 @@ def test_gradcheck_every_option(xp, case):
 def test_gradcheck_catches_a_wrong_gradient(monkeypatch):
     """The whole-model check can fail: a patch-embedding backward whose weight gradient is 1% off
     (everything else right) is caught, and the report names that weight."""
+    from tinyvit.kernels.cpu.linear import PatchEmbed as KernelPatchEmbed
     from tinyvit.ops.patch import PatchEmbed
 
-    right = PatchEmbed.backward
+    for cls in (PatchEmbed, KernelPatchEmbed):                  # whichever path runs
+        def wrong(self, gy, right=cls.backward):
+            dimages, dw, db = right(self, gy)
+            return dimages, None if dw is None else 1.01 * dw, db
 
-    def wrong(self, gy):
-        dimages, dw, db = right(self, gy)
-        return dimages, None if dw is None else 1.01 * dw, db
-
-    monkeypatch.setattr(PatchEmbed, "backward", wrong)
+        monkeypatch.setattr(cls, "backward", wrong)
     model = build()
     x = images(np, model.config, requires_grad=True)
     res = tv.gradcheck(lambda x, *ps: model(x), [x] + list(model.parameters()), max_full=24,
@@ -163,7 +165,7 @@ PARITY_BASE = dict(image_size=16, patch_size=4, in_channels=3, num_classes=5, di
                          ids=["float64", "float32"])
 @pytest.mark.parametrize("case", PARITY_CASES, ids=_case_id)
 def test_matches_pytorch_vit(torch, case, dtype, rtol, atol):
-    from torch_vit import TorchViT
+    from tinyvit.bench.torch_vit import TorchViT
 
     model = build(dtype=dtype, seed=3, **{**PARITY_BASE, **case})
     cfg = model.config
@@ -385,7 +387,7 @@ def test_dropout_after_every_dense_layer_but_qkv(monkeypatch):
 
     def attention(*args, **kwargs):                        # the fused qkv -> softmax -> proj op
         out = real_mha(*args, **kwargs)
-        produced[id(out)] = "proj"
+        produced[id(out[0] if isinstance(out, tuple) else out)] = "proj"
         return out
 
     monkeypatch.setattr(F, "multi_head_attention", attention)
@@ -399,11 +401,11 @@ def test_dropout_after_every_dense_layer_but_qkv(monkeypatch):
     monkeypatch.setattr(F, "dropout", recording)
     x = images(np, model.config, batch=2, dtype=np.float32)
     model.train()
-    model(x)
+    with tv.use_kernels(False):                            # the reference: one module after the other
+        model(x)
     t = model.config.num_patches + 1
-    # pos, then proj, fc1, fc2 per block; the last block computes only the class token's row
-    expected_shapes = [(2, t, d)] + [(2, t, d), (2, t, mlp), (2, t, d)] * (depth - 1) + [(2, 1, d), (2, 1, mlp),
-                                                                                           (2, 1, d)]
+    # pos, then proj, fc1, fc2 per block
+    expected_shapes = [(2, t, d)] + [(2, t, d), (2, t, mlp), (2, t, d)] * depth
     assert [c[1] for c in calls] == expected_shapes, calls
     assert all(c[2] == 0.3 for c in calls)
     assert not any(c[1][-1] == 3 * d for c in calls), "the qkv projection must not be followed by dropout"
@@ -437,7 +439,7 @@ def test_table1_parameter_counts(torch, name, expected, paper):
         assert n == expected
     assert abs(n - paper) / paper < 0.012, f"{name}: {n / 1e6:.1f}M parameters, Table 1 says {paper / 1e6:.0f}M"
     # the independent PyTorch ViT, built without memory on the meta device, counts the same
-    from torch_vit import TorchViT
+    from tinyvit.bench.torch_vit import TorchViT
     with torch.device("meta"):
         ref = TorchViT(**asdict(cfg))
     assert n == sum(p.numel() for p in ref.parameters())

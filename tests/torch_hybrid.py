@@ -8,7 +8,7 @@ NOT by translating tinyvit: torch's own conv2d, group_norm, max_pool2d and F.pad
     root: 7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool ('SAME', -inf padding)   ("bit")
           3x3/1 StdConv -> GN -> ReLU                                             ("light")
     unit: relu(shortcut(x) + GN(conv1x1(relu(GN(conv3x3/s(relu(GN(conv1x1(x)))))))))
-    then a P x P conv (the projection E) on the feature map, and torch_vit.TorchViT's Transformer.
+    then a P x P conv (the projection E) on the feature map, and tinyvit.bench.torch_vit.TorchViT's Transformer.
 
 Weight standardization: (w - mean) / sqrt(var + eps) per output channel (timm's StdConv2dSame),
 every conv padded TensorFlow-'SAME' (the extra pixel after). GroupNorm eps 1e-6 (flax's default).
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from torch_vit import TorchViT
+from tinyvit.bench.torch_vit import TorchViT
 
 
 def pad_same(x, kernel, stride, value=0.0):

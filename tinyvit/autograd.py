@@ -129,12 +129,7 @@ def _sum_to_shape(g, shape):
 
 def _accumulate(existing, g):
     # Out of place on purpose: a gradient array may be shared (add passes gy to both inputs).
-    # Large NumPy arrays are added block by block among the ops' threads (the residual stream's
-    # two gradients meet here once per block of the model).
-    if existing is None:
-        return g
-    from .ops.common import binary_in_blocks   # here, not at the top: tinyvit.ops imports this module
-    return binary_in_blocks(np.add, existing, g)
+    return g if existing is None else existing + g
 
 
 class Tensor:
@@ -292,6 +287,8 @@ class Tensor:
             for t, g, needed in zip(fn.inputs, grads_in, fn.needs_input_grad):
                 if not needed or g is None:   # None: this input's gradient is zero on this path
                     continue
+                if not _is_array(g):     # a NumPy scalar, from arithmetic on 0-d arrays
+                    g = np.asarray(g)
                 g = _sum_to_shape(g, t.shape)
                 if g.dtype != t.dtype:
                     raise RuntimeError(f"{type(fn).__name__}.backward returned a {g.dtype} gradient "

@@ -42,6 +42,13 @@ def key_values(pairs, flag: str, example: str) -> dict:
     return out
 
 
+def add_kernels_flag(p) -> None:
+    """--kernels on|off, on every command that runs a model: off runs the reference ops alone
+    (tinyvit/ops/), the same numbers more slowly; TINYVIT_KERNELS=0 in the environment does the same."""
+    p.add_argument("--kernels", choices=("on", "off"), default=None,
+                   help="on: the fast kernels of tinyvit/kernels/ (the default); off: the reference ops only")
+
+
 def model_args(pairs) -> dict:
     """--model-arg KEY=VALUE pairs: ViTConfig overrides."""
     return key_values(pairs, "--model-arg", "dim=64")
@@ -110,6 +117,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     from ..data import DataError
+    if getattr(args, "kernels", None) in ("on", "off"):
+        from ..kernels import use_kernels
+        use_kernels(args.kernels == "on")
     try:
         return args.func(args)
     except UsageError as exc:

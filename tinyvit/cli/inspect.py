@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import UsageError
+from . import UsageError, add_kernels_flag
 
 
 def cmd_inspect(args) -> int:
@@ -44,4 +44,5 @@ def register(sub) -> None:
                    help="principal components of the embedding filters to show (the paper: 28)")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_kernels_flag(p)
     p.set_defaults(func=cmd_inspect)

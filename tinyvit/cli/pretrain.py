@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import UsageError
+from . import UsageError, add_kernels_flag
 from .train import _add_train_flags, _dataset_args, _run_training, _train_config, _validated
 
 # Flags of `tinyvit train` that mean nothing without labels.
@@ -153,4 +153,5 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test images only")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_kernels_flag(p)
     p.set_defaults(func=cmd_fewshot)

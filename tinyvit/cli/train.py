@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import UsageError, key_values, model_args, read_toml
+from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -62,7 +62,7 @@ def _dataset_args(pairs) -> dict:
 
 
 def _run_training(cfg, model=None, objective=None) -> int:
-    from ..ops.common import retain_freed_memory
+    from ..kernels.cpu.threads import retain_freed_memory
     from ..train import TrainingDiverged, train
     retain_freed_memory()             # the same large arrays every step: keep their memory mapped
     try:
@@ -167,6 +167,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=500)
     p.add_argument("--limit", type=int, default=None, help="evaluate on the first N test images only")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_kernels_flag(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("predict", help="top-5 classes with probabilities for image files")
@@ -174,6 +175,7 @@ def register(sub) -> None:
     p.add_argument("images", nargs="+", help="image files (any format Pillow reads)")
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    add_kernels_flag(p)
     p.set_defaults(func=cmd_predict)
 
 
@@ -212,5 +214,6 @@ def _add_train_flags(p, skip=()) -> None:
     a("--eval-batch-size", type=int)
     a("--train-limit", type=int, help="use only the first N training images (quick runs)")
     a("--test-limit", type=int, help="evaluate on the first N test images")
+    add_kernels_flag(p)
 
 

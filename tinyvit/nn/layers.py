@@ -65,8 +65,7 @@ class LayerNorm(Module):
 
 
 class GELU(Module):
-    """GELU(x) = x * Phi(x) (approximate="none", exact erf) or its tanh approximation ("tanh");
-    called with a bias (H,), GELU(x + bias) in one pass."""
+    """GELU(x) = x * Phi(x) (approximate="none", exact erf) or its tanh approximation ("tanh")."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()
@@ -74,8 +73,8 @@ class GELU(Module):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, x, bias=None):
-        return F.gelu(x, approximate=self.approximate, bias=bias)    # of x + bias when given
+    def forward(self, x):
+        return F.gelu(x, approximate=self.approximate)
 
     def extra_repr(self):
         return f"approximate={self.approximate!r}"
@@ -135,19 +134,10 @@ class DropPath(Module):
         return f"p={self.p}"
 
 
-def _fold(norm, linear):
-    """(weight, bias) of ``linear`` with the scale and shift of the LayerNorm ``norm`` folded in:
-    (x_hat * g + beta) W + b = x_hat (g W) + (beta W + b). The Linear's own when norm is None."""
-    if norm is None:
-        return linear.weight, linear.bias
-    return F.fold_norm_affine(norm.weight, norm.bias, linear.weight, linear.bias)
-
-
 class MultiHeadAttention(Module):
     """Multi-head self-attention, MSA of Eq. 2 (appendix A, Eq. 5-8), then dropout on its output.
 
     x: (B, N, dim)  ->  (B, N, dim); with return_attention=True also the weights A: (B, heads, N, N).
-    With num_queries=M only the first M tokens' outputs are computed: (B, M, dim), A (B, heads, M, N).
     qkv: Linear(dim, 3*dim), columns ordered q | k | v, heads split within each; proj: Linear(dim, dim).
     The qkv weight is Xavier-initialised as three separate (dim, dim) matrices, as the official code's
     separate query/key/value Dense layers are (bound sqrt(6 / (dim + dim)), not sqrt(6 / (dim + 3 dim))).
@@ -168,14 +158,10 @@ class MultiHeadAttention(Module):
         self.proj = Linear(dim, dim)
         self.proj_drop = Dropout(proj_dropout)
 
-    def forward(self, x, return_attention: bool = False, num_queries=None, norm=None):
-        """num_queries: M, for the output of the first M tokens only (B, M, dim); all N by default.
-        norm: the LayerNorm before this layer when x is only its standardisation (x - mean) / std:
-        its scale and shift are then folded into the qkv weights (F.fold_norm_affine)."""
-        w_qkv, b_qkv = _fold(norm, self.qkv)
-        out = F.multi_head_attention(x, w_qkv, b_qkv, self.proj.weight, self.proj.bias,
+    def forward(self, x, return_attention: bool = False):
+        out = F.multi_head_attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias,
                                      self.num_heads, attn_dropout=self.attn_dropout, training=self.training,
-                                     return_attention=return_attention, num_queries=num_queries)
+                                     return_attention=return_attention)
         if return_attention:
             out, attn = out
             return self.proj_drop(out), attn
@@ -203,13 +189,8 @@ class MLP(Module):
         init.normal_(self.fc1.bias, std=1e-6)
         init.normal_(self.fc2.bias, std=1e-6)
 
-    def forward(self, x, norm=None):
-        """norm: the LayerNorm before this block when x is only its standardisation (x - mean) / std:
-        its scale and shift are then folded into fc1 (F.fold_norm_affine)."""
-        w1, b1 = _fold(norm, self.fc1)
-        # fc1's bias is added by GELU, block by block in the cache, instead of in a pass of its own
-        h = self.act(F.linear(x, w1), bias=b1)
-        return self.drop2(self.fc2(self.drop1(h)))
+    def forward(self, x):
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 class Conv2d(Module):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import add_row_vector_, aligned_matmul, binary_in_blocks, column_sums, require_float, shape_of
+from .common import require_float, require_same_dtype, shape_of
 
 # ---------------------------------------------------------------- element-wise arithmetic
 
@@ -18,7 +18,7 @@ class Add(Function):
     """y = a + b (broadcasting).  dL/da = dL/db = gy."""
 
     def forward(self, a, b):
-        return binary_in_blocks(np.add, a, b)
+        return a + b
 
     def backward(self, gy):
         return gy, gy
@@ -313,18 +313,6 @@ def _swap(m):
     return m.swapaxes(-1, -2)
 
 
-def weight_gradient(x_rows, g_rows):
-    """x^T g: the gradient of W in y = x W, from x: (R, I) and g = dL/dy: (R, O) -> (I, O).
-
-    Summed over all R = B*N rows in one GEMM. When I < O it is computed as (g^T x)^T and copied
-    to row-major order (I*O elements, cheap): OpenBLAS's threaded GEMM with a long inner axis R
-    was 2-3x slower, up to 14x, when the product has fewer rows than columns (measured with 2
-    threads on the 2-core benchmark machine shared with other jobs; one thread shows no difference)."""
-    if x_rows.shape[1] < g_rows.shape[1]:
-        return get_array_module(x_rows).ascontiguousarray((g_rows.T @ x_rows).T)
-    return x_rows.T @ g_rows
-
-
 class MatMul(Function):
     """y = a @ b (batched, broadcasting; 1-D operands as in NumPy).
 
@@ -354,7 +342,7 @@ class MatMul(Function):
             if self.needs_input_grad[0]:
                 ga = (rows_g @ b2.T).reshape(a2.shape)
             if self.needs_input_grad[1]:
-                gb = weight_gradient(rows_a, rows_g)
+                gb = rows_a.T @ rows_g
         else:
             if self.needs_input_grad[0]:
                 ga = gy2 @ _swap(b2)
@@ -376,19 +364,19 @@ class Linear(Function):
     """
 
     def forward(self, x, w, b=None):
-        rows = x.reshape(-1, x.shape[-1])
-        y = aligned_matmul(rows, w)
+        rows = x.reshape(-1, x.shape[-1])                 # (R, D_in), R = B*N
+        y = rows @ w
         if b is not None:
-            add_row_vector_(y, b)
+            y = y + b
         self.save(rows, w, x.shape)
         return y.reshape(*x.shape[:-1], w.shape[1])
 
     def backward(self, gy):
         rows, w, x_shape = self.saved
-        g = gy.reshape(-1, gy.shape[-1])
-        gx = aligned_matmul(g, w.T).reshape(x_shape) if self.needs_input_grad[0] else None
-        gw = weight_gradient(rows, g) if self.needs_input_grad[1] else None
-        gb = column_sums(g) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
+        g = gy.reshape(-1, gy.shape[-1])                  # (R, D_out)
+        gx = (g @ w.T).reshape(x_shape) if self.needs_input_grad[0] else None
+        gw = rows.T @ g if self.needs_input_grad[1] else None
+        gb = g.sum(axis=0) if len(self.needs_input_grad) > 2 and self.needs_input_grad[2] else None
         return gx, gw, gb
 
 
@@ -508,13 +496,15 @@ def matmul(a, b):
     return MatMul.apply(a, b)
 
 
-def linear(x, w, b=None):
-    """y = x @ w + b with w of shape (in_features, out_features), as the paper's x E."""
+def linear(x, w, b=None, function=Linear):
+    """y = x @ w + b with w of shape (in_features, out_features), as the paper's x E.
+    function: the Function that computes it, this reference unless tinyvit.functional passes a kernel."""
     require_float("linear", x=x, weight=w, bias=b)
+    require_same_dtype("linear", x=x, weight=w, bias=b)
     sx, sw = shape_of(x), shape_of(w)
     if len(sw) != 2 or not sx or sx[-1] != sw[0]:
         raise ValueError(f"linear: input of shape {sx} does not fit weight of shape {sw} "
                          f"(weight is (in_features, out_features); need input[..., {sw[0] if sw else '?'}])")
     if b is not None and shape_of(b) != (sw[1],):
         raise ValueError(f"linear: bias has shape {shape_of(b)}, expected ({sw[1]},) for weight {sw}")
-    return Linear.apply(x, w, b)
+    return function.apply(x, w, b)

@@ -9,59 +9,55 @@ kernel E^T.reshape(D, C, P, P) and stride P, flattened as conv(x).flatten(2).tra
 from __future__ import annotations
 
 from ..autograd import Function
-from .basic import weight_gradient
-from .common import (add_row_vector_, aligned_matmul, column_sums, require_float, require_ndim, require_same_dtype,
-                     shape_of)
+from .common import require_float, require_ndim, require_same_dtype, shape_of
+
+
+def patches_of(images, p):
+    """(B, C, H, W) -> (B*N, C*P*P): every P x P patch flattened in (C, P, P) order, patches
+    numbered row-major over the (H/P, W/P) grid (a copy)."""
+    bsz, c, hh, ww = images.shape
+    return (images.reshape(bsz, c, hh // p, p, ww // p, p)
+            .transpose(0, 2, 4, 1, 3, 5)                   # (B, H/P, W/P, C, P, P)
+            .reshape(bsz * (hh // p) * (ww // p), c * p * p))
+
+
+def images_of(patch_rows, image_shape, p):
+    """The inverse of patches_of: (B*N, C*P*P) -> (B, C, H, W)."""
+    bsz, c, hh, ww = image_shape
+    return (patch_rows.reshape(bsz, hh // p, ww // p, c, p, p)
+            .transpose(0, 3, 1, 4, 2, 5)                   # (B, C, H/P, P, W/P, P)
+            .reshape(image_shape))
 
 
 class PatchEmbed(Function):
     """Eq. 1's x_p E + b for every patch of every image, as one 2-D GEMM.
 
     images: (B, C, H, W)   w: (C*P*P, D)   b: (D,) or None   ->   y: (B, N, D), N = (H/P)(W/P)
-    Forward:  patches = images.reshape(B, C, H/P, P, W/P, P).transpose(0, 2, 4, 1, 3, 5)
-                        .reshape(B*N, C*P*P);   y = patches w + b
-    Backward: dw = patches^T gy,  db = sum of gy over (B, N),
-              d images = (gy w^T) folded back by the inverse reshape/transpose (only if wanted).
+    Forward:  patches = patches_of(images) (B*N, C*P*P);   y = patches w + b
+    Backward: dw = patches^T gy,  db = sum of gy over (B, N),  d images = images_of(gy w^T).
     """
 
     def forward(self, images, w, b, patch_size):
-        bsz, c, hh, ww = images.shape
-        p = patch_size
-        gh, gw = hh // p, ww // p
-        patches = (images.reshape(bsz, c, gh, p, gw, p)
-                   .transpose(0, 2, 4, 1, 3, 5)            # (B, H/P, W/P, C, P, P)
-                   .reshape(bsz * gh * gw, c * p * p))     # (B*N, C*P*P), a copy
-        y = aligned_matmul(patches, w)                     # (B*N, D)
+        patches = patches_of(images, patch_size)           # (B*N, C*P*P)
+        y = patches @ w                                    # (B*N, D)
         if b is not None:
-            add_row_vector_(y, b)
-        self.save(patches if self.needs_input_grad[1] else None, w, images.shape, p)
-        return y.reshape(bsz, gh * gw, w.shape[1])
+            y = y + b
+        self.save(patches, w, images.shape, patch_size)
+        return y.reshape(images.shape[0], -1, w.shape[1])
 
     def backward(self, gy):
         patches, w, image_shape, p = self.saved
-        need_images, need_w, need_b = self.needs_input_grad[:3]
         g = gy.reshape(-1, gy.shape[-1])                   # (B*N, D)
-        dimages = dw = db = None
-        if need_images:
-            bsz, c, hh, ww = image_shape
-            dimages = ((g @ w.T)                           # (B*N, C*P*P)
-                       .reshape(bsz, hh // p, ww // p, c, p, p)
-                       .transpose(0, 3, 1, 4, 2, 5)        # (B, C, H/P, P, W/P, P)
-                       .reshape(image_shape))
-        if need_w:
-            dw = weight_gradient(patches, g)
-        if need_b:
-            db = column_sums(g)
-        return dimages, dw, db
+        dimages = images_of(g @ w.T, image_shape, p) if self.needs_input_grad[0] else None
+        return dimages, patches.T @ g, g.sum(axis=0)
 
 
-
-
-def patch_embed(images, w, b, patch_size):
+def patch_embed(images, w, b, patch_size, function=PatchEmbed):
     """Split images (B, C, H, W) into P x P patches and embed each: (B, N, D) with N = HW / P^2 (Eq. 1).
 
     w: (C*P*P, D), rows in (C, P, P) order (a conv kernel (D, C, P, P) reshaped to (D, C*P*P) and
-    transposed); b: (D,) or None. H and W must be divisible by P."""
+    transposed); b: (D,) or None. H and W must be divisible by P.
+    function: the Function that computes it, this reference unless tinyvit.functional passes a kernel."""
     op = "patch_embed"
     require_float(op, images=images, w=w, b=b)
     require_same_dtype(op, images=images, w=w, b=b)
@@ -78,4 +74,4 @@ def patch_embed(images, w, b, patch_size):
                          f"with C={c} channels and patch size P={p}, but w has shape {sw} ({sw[0] if sw else '?'} rows)")
     if b is not None and shape_of(b) != (sw[1],):
         raise ValueError(f"{op}: b must have shape ({sw[1]},) for w of shape {sw}, got {shape_of(b)}")
-    return PatchEmbed.apply(images, w, b, patch_size)
+    return function.apply(images, w, b, patch_size)

@@ -1,0 +1,101 @@
+"""The fast path: the same ops as tinyvit/ops/, rewritten for speed, each tested equal to its reference.
+
+    kernels/cpu/    NumPy kernels: cache-sized blocks shared among threads, fused neighbours
+                    (residual add + LayerNorm, bias + GELU, the attention chain), the optimizer update
+                    of many tensors at once, and the ViT encoder with those fusions across layers
+    kernels/cuda/   CuPy kernels (CUDA C++), filled by the GPU work; none is used yet
+
+ops/, nn/ and models/ never import this package: tinyvit.functional (the switchboard) asks
+``kernel_for(name, *arrays)`` which implementation to run, and falls back to the reference when it
+answers None. The choice depends on three things only, never on train/eval mode:
+
+    the setting      use_kernels(False) (a call, or a ``with`` block), or TINYVIT_KERNELS=0 in the
+                     environment, or ``--kernels off`` on the command line; on by default
+    the array module NumPy arrays get kernels/cpu; CuPy arrays get kernels/cuda's (none yet)
+    the dtype        float32 and float64 (the gradient checks run the kernels in float64 too)
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+
+from ..autograd import Tensor
+from ..backend import get_array_module
+
+_OFF_WORDS = ("0", "off", "false", "no")
+
+
+def _from_environment() -> bool:
+    return os.environ.get("TINYVIT_KERNELS", "1").strip().lower() not in _OFF_WORDS
+
+
+_enabled = _from_environment()
+
+
+def kernels_enabled() -> bool:
+    """True when the switchboard picks kernels (the default)."""
+    return _enabled
+
+
+class use_kernels:
+    """Turn the kernels on or off, for the rest of the program or for a ``with`` block:
+
+        tinyvit.use_kernels(False)              # from here on, every op runs its reference
+        with tinyvit.use_kernels(False): ...    # only inside the block; the old setting comes back
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _enabled
+        if not isinstance(enabled, bool):
+            raise TypeError(f"use_kernels: expected True or False, got {enabled!r}")
+        self.previous = _enabled
+        _enabled = enabled
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _enabled
+        _enabled = self.previous
+        return False
+
+
+# op name -> "module:attribute" of its CPU kernel, a Function with the reference's signature (or, for
+# "encoder" and "optimizer_step", the function documented in that module).
+CPU_KERNELS = {
+    "linear": "linear:Linear",
+    "patch_embed": "linear:PatchEmbed",
+    "layer_norm": "layernorm:LayerNorm",
+    "gelu": "gelu:GELU",
+    "gelu_tanh": "gelu:GELUTanh",
+    "multi_head_attention": "attention:MultiHeadAttention",
+    "optimizer_step": "optim:step",
+    "encoder": "encoder:fused_encoder",
+}
+
+# The CUDA kernels, by the same names. Empty until the GPU work adds them (with a record of the GPU
+# where each passed its tests); until then CuPy arrays run the reference ops.
+CUDA_KERNELS: dict = {}
+
+_KERNEL_DTYPES = (np.float32, np.float64)
+
+
+def _load(package: str, where: str):
+    module, attribute = where.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{package}.{module}"), attribute)
+
+
+def kernel_for(name: str, *arrays):
+    """The kernel that computes op ``name`` for these arrays, or None (then run the reference): None
+    when kernels are off, when the op has no kernel for the arrays' module, or for other dtypes."""
+    if not _enabled:
+        return None
+    arrays = [a.data if isinstance(a, Tensor) else a for a in arrays if a is not None]
+    if not arrays or any(getattr(a, "dtype", None) not in _KERNEL_DTYPES for a in arrays):
+        return None
+    xp = get_array_module(*arrays)
+    table, package = (CPU_KERNELS, "cpu") if xp is np else (CUDA_KERNELS, "cuda")
+    where = table.get(name)
+    return None if where is None else _load(package, where)
