@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from kernel_checks import SMALL_BLOCK, SMALL_SAMPLES
+
 
 def _cuda_available():
     try:
@@ -51,6 +53,33 @@ def kernel_path(request):
     path = getattr(request, "param", "kernels")
     with use_kernels(path == "kernels"):
         yield path
+
+
+# ---------------------------------------------------------------- the CPU kernels' blocks and threads
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def small_blocks(request, monkeypatch):
+    """Cache blocks forced small (threads.BLOCK_ELEMENTS = 64 elements, attention.SAMPLES_PER_BLOCK = 2
+    samples), so that the small arrays of a test span many blocks and a ragged last one, shared among
+    1 or 2 threads (the parameter; the thread count and block sizes are restored afterwards)."""
+    from tinyvit.kernels.cpu import attention as k_attention, threads
+    monkeypatch.setattr(threads, "BLOCK_ELEMENTS", SMALL_BLOCK)
+    monkeypatch.setattr(k_attention, "SAMPLES_PER_BLOCK", SMALL_SAMPLES)
+    previous = threads._num_threads
+    threads.set_num_threads(request.param)
+    yield request.param
+    threads.set_num_threads(previous)
+
+
+@pytest.fixture
+def num_threads():
+    """threads.set_num_threads, with the previous setting restored after the test."""
+    from tinyvit.kernels.cpu import threads
+    previous = threads._num_threads
+    yield threads.set_num_threads
+    threads.set_num_threads(previous)
+
 
 
 @pytest.fixture

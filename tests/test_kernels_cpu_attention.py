@@ -18,7 +18,7 @@ from tinyvit.kernels.cpu import attention as k_attention
 from tinyvit.ops import attention
 
 from helpers import torch_parity
-from test_kernels_cpu import F64, assert_kernel_equals_reference, cpu_kernel, small_blocks  # noqa: F401
+from kernel_checks import F64, assert_kernel_equals_reference, cpu_kernel
 from test_ops_attention import arrays, torch_attention
 
 TOL = {np.float64: (F64["rtol"], F64["atol"]), np.float32: (1e-4, 1e-5)}

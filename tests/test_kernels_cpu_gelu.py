@@ -18,7 +18,7 @@ from tinyvit.kernels.cpu import gelu as k_gelu
 from tinyvit.ops import activation
 
 from helpers import param, torch_parity
-from test_kernels_cpu import F64, assert_kernel_equals_reference, cpu_kernel, small_blocks  # noqa: F401
+from kernel_checks import F64, assert_kernel_equals_reference, cpu_kernel
 
 TOL = {np.float64: (F64["rtol"], F64["atol"]), np.float32: (1e-5, 2e-6)}
 REFERENCE = {"gelu": activation.GELU, "gelu_tanh": activation.GELUTanh}

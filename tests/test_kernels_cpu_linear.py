@@ -13,7 +13,7 @@ import pytest
 from tinyvit.kernels.cpu.linear import weight_gradient
 from tinyvit.ops import basic, patch
 
-from test_kernels_cpu import F64, assert_kernel_equals_reference, cpu_kernel, small_blocks  # noqa: F401
+from kernel_checks import F64, assert_kernel_equals_reference, cpu_kernel
 
 TOL = {np.float64: (F64["rtol"], F64["atol"]), np.float32: (1e-5, 1e-5)}
 

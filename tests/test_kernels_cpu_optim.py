@@ -12,7 +12,7 @@ import tinyvit.optim as optim
 from tinyvit.kernels import use_kernels
 from tinyvit.kernels.cpu import optim as k_optim
 
-from test_kernels_cpu import cpu_kernel, num_threads  # noqa: F401
+from kernel_checks import cpu_kernel
 
 THRESHOLD = 100                 # THREADED_UPDATE_SIZE in these tests: the (40, 30), (100,), (64, 64) go to threads
 SHAPES = [(40, 30), (100,), (7,), (64, 64), (3, 5), (99,)]

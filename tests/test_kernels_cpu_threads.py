@@ -2,6 +2,9 @@
 (for_each_block, row_blocks, flat_blocks), the threaded row helpers (add_row_vector_, column_sums,
 binary_in_blocks), per-thread scratch arrays, the thread-count setting, and 64-byte-aligned arrays
 (empty, empty_like, aligned_matmul), with the kernels' outputs that rely on them."""
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -13,7 +16,7 @@ from tinyvit.kernels.cpu import layernorm as k_layernorm
 from tinyvit.kernels.cpu import linear as k_linear
 from tinyvit.kernels.cpu import threads
 
-from test_kernels_cpu import SMALL_BLOCK, num_threads, small_blocks  # noqa: F401
+from kernel_checks import SMALL_BLOCK
 
 
 # ---------------------------------------------------------------- blocks among threads
@@ -154,3 +157,92 @@ def test_hot_kernels_write_aligned_outputs(rng):
             x, w_qkv, None, w_proj, None, 3, return_attention=True)
         for name, t in outputs.items():
             assert is_aligned(t.data), name
+
+
+# ---------------------------------------------------------------- the same numbers on any thread count; process settings
+
+
+def _grads_of(fn, arrays, upstream):
+    import tinyvit as tv
+    ts = [tv.Tensor(a, requires_grad=True) for a in arrays]
+    y = fn(*ts)
+    y.backward(upstream)
+    return [y.numpy()] + [t.grad for t in ts]
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "gelu", "attention"])
+def test_threads_give_the_same_numbers(op):
+    """The kernels split their element-wise blocks among threads; each block is computed the same
+    way, so the results must not depend on the thread count (several blocks per thread here)."""
+    from tinyvit import functional as F
+    rng = np.random.default_rng(0)
+    b, n, d = 24, 65, 96                      # LayerNorm: 1560 rows of 96, several row blocks
+    x = rng.standard_normal((b, n, d)).astype(np.float32)
+    if op == "layer_norm":
+        fn, arrays = (lambda x, w, c: F.layer_norm(x, w, c)), [x, rng.standard_normal(d).astype(np.float32),
+                                                               rng.standard_normal(d).astype(np.float32)]
+    elif op == "gelu":
+        x = rng.standard_normal((b, n, 4 * d)).astype(np.float32) * 3
+        fn, arrays = F.gelu, [x]
+    else:
+        w = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((d, 3 * d), (3 * d,), (d, d), (d,))]
+        fn, arrays = (lambda *a: F.multi_head_attention(*a, num_heads=3)), [x, *w]
+    upstream = rng.standard_normal(fn(*arrays).shape).astype(np.float32)
+    before = threads._num_threads
+    try:
+        threads.set_num_threads(1)
+        serial = _grads_of(fn, arrays, upstream)
+        threads.set_num_threads(3)
+        threaded = _grads_of(fn, arrays, upstream)
+    finally:
+        threads.set_num_threads(before)
+    for s, t in zip(serial, threaded):
+        np.testing.assert_array_equal(s, t)
+
+
+def test_for_each_block_nested_and_ordered():
+    before = threads._num_threads
+    try:
+        threads.set_num_threads(2)
+        inner = lambda i: threads.for_each_block(lambda j: 10 * i + j, list(range(3)))   # noqa: E731
+        assert threads.for_each_block(inner, list(range(5))) == [[10 * i + j for j in range(3)] for i in range(5)]
+        with pytest.raises(ValueError):
+            threads.set_num_threads(0)
+    finally:
+        threads.set_num_threads(before)
+
+
+def test_retain_freed_memory_keeps_a_freed_array_resident():
+    """After retain_freed_memory, a freed 64 MiB array stays in the process (glibc), where by default
+    glibc unmaps it at once. Run in a child process: the setting is process-wide and irreversible."""
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the setting applies to glibc's malloc only")
+    child = """
+import sys, numpy as np
+from tinyvit.kernels.cpu.threads import retain_freed_memory
+def resident_mib():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+if sys.argv[1] == 'retain':
+    assert retain_freed_memory()
+before = resident_mib()
+a = np.ones(16 << 20, np.float32)   # 64 MiB, touched
+del a
+print(resident_mib() - before)
+"""
+    kept = {mode: float(subprocess.run([sys.executable, "-c", child, mode], capture_output=True, text=True,
+                                       check=True).stdout) for mode in ("retain", "default")}
+    assert kept["retain"] > 48, kept
+    assert kept["default"] < 16, kept
+
+
+def test_import_sets_openblas_thread_timeout_unless_set():
+    """`import tinyvit` asks OpenBLAS's idle threads to sleep at once (before NumPy loads), and
+    leaves a value the user set alone."""
+    code = "import os, tinyvit; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "4"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "28"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "28"

@@ -10,7 +10,7 @@
     db_k = 0, db_v free  softmax ignores a per-row shift, and rows of A sum to 1 (see the docstring)
     num_outputs = M < N  only the first M tokens ask: q from their rows only, outputs (B, M, D)
 
-Tests: tests/test_kernels_cpu.py proves it equal to the reference, forward and every gradient.
+Tests: tests/test_kernels_cpu_attention.py proves it equal to the reference, forward and every gradient.
 """
 from __future__ import annotations
 

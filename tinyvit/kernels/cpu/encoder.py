@@ -14,7 +14,7 @@ It reads the model's own Parameters, so checkpoints and parameter names do not c
 only for the standard blocks: any block or layer of another class, or a module whose forward was
 replaced, gets the reference (fused_encoder answers None). Random numbers (dropout, stochastic depth)
 are drawn in the reference's order and shapes, so a seeded run gives the same masks on both paths.
-Tests: tests/test_kernels_cpu.py (ViT, hybrid and masked models: logits and every gradient equal).
+Tests: tests/test_kernels_models.py (ViT, hybrid and masked models: logits and every gradient equal).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
                       (kernels/cpu/gelu_fit.py re-derives it), 18 passes over a block where Phi from
                       a float32 erf takes 27; float64 keeps the reference's erf (Cody's rational)
 
-Tests: tests/test_kernels_cpu.py proves each equal to the reference, forward and every gradient.
+Tests: tests/test_kernels_cpu_gelu.py proves each equal to the reference, forward and every gradient.
 """
 from __future__ import annotations
 

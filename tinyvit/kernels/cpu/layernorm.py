@@ -10,7 +10,7 @@ the ViT encoder uses across layers (kernels/cpu/encoder.py):
 
 The derivation is the reference's (ops/norm.py): with g = dL/dx_hat and n the row length,
 dL/dx = inv_std * (g - mean(g) - x_hat * mean(g * x_hat)).
-Tests: tests/test_kernels_cpu.py proves each equal to the reference, forward and every gradient.
+Tests: tests/test_kernels_cpu_layernorm.py proves each equal to the reference, forward and every gradient.
 """
 from __future__ import annotations
 

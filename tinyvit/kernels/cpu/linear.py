@@ -7,7 +7,7 @@
     weight gradients  x^T g computed as (g^T x)^T when the product has fewer rows than columns
                       (weight_gradient: OpenBLAS's threaded GEMM was 2-14x slower the other way)
 
-Tests: tests/test_kernels_cpu.py proves each equal to the reference, forward and every gradient.
+Tests: tests/test_kernels_cpu_linear.py proves each equal to the reference, forward and every gradient.
 """
 from __future__ import annotations
 

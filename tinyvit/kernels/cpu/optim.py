@@ -1,7 +1,7 @@
 """The optimizer step on the CPU, fast: the same updates as tinyvit/optim.py's step, the large
 parameters' updates shared among the kernels' threads (each parameter's update is independent of
 the others', and NumPy releases the GIL inside each array operation). Measured on vit-cifar/4 with
-2 threads: 13 -> 9 ms per AdamW step. Tests: tests/test_kernels_cpu.py (bit-identical to the loop).
+2 threads: 13 -> 9 ms per AdamW step. Tests: tests/test_kernels_cpu_optim.py (bit-identical to the loop).
 """
 from __future__ import annotations
 

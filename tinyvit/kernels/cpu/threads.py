@@ -1,7 +1,8 @@
 """The machinery the CPU kernels share: a thread pool that runs independent cache-sized blocks of an
 array in parallel, per-thread scratch arrays, 64-byte-aligned arrays, and the malloc setting that
 keeps freed memory for the next step. None of it is in the reference ops (tinyvit/ops/); every
-kernel that uses it is tested equal to its reference (tests/test_kernels_cpu.py)."""
+kernel that uses it is tested equal to its reference (tests/test_kernels_cpu_*.py; the machinery
+itself: tests/test_kernels_cpu_threads.py)."""
 from __future__ import annotations
 
 import itertools
