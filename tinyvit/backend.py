@@ -6,7 +6,6 @@ when a GPU is asked for, so the CPU install needs nothing but NumPy.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
@@ -20,8 +19,10 @@ def cupy_module():
     if _cupy is None:
         try:
             import cupy
+            if _seed is not None:
+                cupy.random.seed(_seed)
             _cupy = cupy
-        except Exception as exc:  # ImportError, or a CUDA driver error raised at import
+        except Exception as exc:  # ImportError, or a CUDA driver error raised at import or seeding
             _cupy = False
             _import_error[0] = exc
     if _cupy is False:
@@ -131,13 +132,18 @@ def check_same_device(arrays, op_name: str) -> None:
 _rng = np.random.default_rng(0)
 
 
+_seed = None                      # the last manual_seed, for CuPy's generator when CuPy comes into use
+
+
 def manual_seed(seed: int) -> None:
-    """Seed tinyvit's random generator (parameter init, dropout masks) and CuPy's if loaded."""
-    global _rng
+    """Seed tinyvit's random generator (parameter init, dropout masks) and, once tinyvit uses CuPy,
+    CuPy's: now if it is in use, else when it first is (cupy_module). A CPU run never touches CUDA,
+    even where CuPy is installed or imported by someone else without a usable GPU."""
+    global _rng, _seed
     _rng = np.random.default_rng(seed)
-    cp = _cupy or sys.modules.get("cupy")  # seed CuPy too once anything has imported it
-    if cp:
-        cp.random.seed(seed)
+    _seed = seed
+    if _cupy:
+        _cupy.random.seed(seed)
 
 
 def rng() -> np.random.Generator:
