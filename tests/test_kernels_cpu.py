@@ -190,11 +190,11 @@ def test_use_kernels_as_a_context_manager_and_as_a_call():
         assert kernels_enabled() and kernel_for("layer_norm", x) is k_layernorm.LayerNorm
 
 
-@pytest.mark.parametrize("bad", [0, 1, "off", None])
-def test_use_kernels_wants_a_bool(bad):
+@pytest.mark.parametrize("bad", [0, 1, "off", "ALL", None])
+def test_use_kernels_wants_a_bool_or_all(bad):
     """use_kernels(0) or ("off") is a TypeError, and leaves the setting as it was."""
     before = kernels_enabled()
-    with pytest.raises(TypeError, match="expected True or False"):
+    with pytest.raises(TypeError, match="expected True, False or 'all'"):
         use_kernels(bad)
     assert kernels_enabled() == before
 
@@ -289,19 +289,22 @@ def test_no_kernel_for_other_dtypes_or_no_arrays():
 
 def test_arrays_of_another_module_get_the_cuda_table(monkeypatch):
     """Arrays that are not NumPy's (CuPy's) never get a CPU kernel: kernel_for looks them up in
-    CUDA_KERNELS (empty until the GPU work adds kernels), so every op falls back to the reference."""
+    CUDA_KERNELS, and gives one only when kernels/cuda/passed.json records that its GPU tests passed,
+    or when the setting is "all"; everything else falls back to the reference."""
     fake_cupy = types.SimpleNamespace(__name__="cupy")
     monkeypatch.setattr(kernels, "get_array_module", lambda *arrays: fake_cupy)
-    loaded = []
-    monkeypatch.setattr(kernels, "_load", lambda package, where: loaded.append((package, where)) or (package, where))
+    monkeypatch.setattr(kernels, "_load", lambda package, where: (package, where))
+    monkeypatch.setattr(kernels, "CUDA_KERNELS", {"layer_norm": "layernorm:LayerNorm", "gelu": "gelu:GELU"})
+    monkeypatch.setattr(kernels, "_cuda_passed", lambda: {"gelu": [{"gpu": "H100"}]})
     x = np.ones((2, 3), np.float32)
     for name in CPU_KERNELS:
-        got = kernel_for(name, x)
-        if name in kernels.CUDA_KERNELS:
-            assert got == ("cuda", kernels.CUDA_KERNELS[name])
-        else:
-            assert got is None, name
-    assert all(package == "cuda" for package, _ in loaded)
+        assert kernel_for(name, x) == (("cuda", "gelu:GELU") if name == "gelu" else None), name
+    with use_kernels("all"):
+        assert kernel_for("layer_norm", x) == ("cuda", "layernorm:LayerNorm")
+        assert kernel_for("gelu", x) == ("cuda", "gelu:GELU")
+        assert kernel_for("linear", x) is None
+    with use_kernels(False):
+        assert kernel_for("gelu", x) is None
 
 
 def test_cupy_arrays_get_no_cpu_kernel(xp):

@@ -45,8 +45,9 @@ def key_values(pairs, flag: str, example: str) -> dict:
 def add_kernels_flag(p) -> None:
     """--kernels on|off, on every command that runs a model: off runs the reference ops alone
     (tinyvit/ops/), the same numbers more slowly; TINYVIT_KERNELS=0 in the environment does the same."""
-    p.add_argument("--kernels", choices=("on", "off"), default=None,
-                   help="on: the fast kernels of tinyvit/kernels/ (the default); off: the reference ops only")
+    p.add_argument("--kernels", choices=("on", "off", "all"), default=None,
+                   help="on: the fast kernels of tinyvit/kernels/ (the default); off: the reference ops only; "
+                        "all: also the CUDA kernels not yet recorded as passed on a GPU (for testing them)")
 
 
 def model_args(pairs) -> dict:
@@ -117,9 +118,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     from ..data import DataError
-    if getattr(args, "kernels", None) in ("on", "off"):
+    if getattr(args, "kernels", None) in ("on", "off", "all"):
         from ..kernels import use_kernels
-        use_kernels(args.kernels == "on")
+        use_kernels({"on": True, "off": False, "all": "all"}[args.kernels])
     try:
         return args.func(args)
     except UsageError as exc:

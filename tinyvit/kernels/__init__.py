@@ -11,7 +11,9 @@ answers None. The choice depends on three things only, never on train/eval mode:
 
     the setting      use_kernels(False) (a call, or a ``with`` block), or TINYVIT_KERNELS=0 in the
                      environment, or ``--kernels off`` on the command line; on by default
-    the array module NumPy arrays get kernels/cpu; CuPy arrays get kernels/cuda's (none yet)
+    the array module NumPy arrays get kernels/cpu; CuPy arrays get kernels/cuda's, but only those
+                     whose GPU tests have passed (kernels/cuda/passed.json), unless the setting
+                     is "all" (use_kernels("all"), TINYVIT_KERNELS=all, ``--kernels all``)
     the dtype        float32 and float64 (the gradient checks run the kernels in float64 too)
 """
 from __future__ import annotations
@@ -25,18 +27,20 @@ from ..autograd import Tensor
 from ..backend import get_array_module
 
 _OFF_WORDS = ("0", "off", "false", "no")
+ALL = "all"                        # also the CUDA kernels not yet recorded as passed on a GPU
 
 
-def _from_environment() -> bool:
-    return os.environ.get("TINYVIT_KERNELS", "1").strip().lower() not in _OFF_WORDS
+def _from_environment():
+    word = os.environ.get("TINYVIT_KERNELS", "1").strip().lower()
+    return ALL if word == ALL else word not in _OFF_WORDS
 
 
-_enabled = _from_environment()
+_enabled = _from_environment()     # True, False or ALL
 
 
 def kernels_enabled() -> bool:
     """True when the switchboard picks kernels (the default)."""
-    return _enabled
+    return bool(_enabled)
 
 
 class use_kernels:
@@ -44,12 +48,13 @@ class use_kernels:
 
         tinyvit.use_kernels(False)              # from here on, every op runs its reference
         with tinyvit.use_kernels(False): ...    # only inside the block; the old setting comes back
+        tinyvit.use_kernels("all")              # also CUDA kernels not yet recorded as passed on a GPU
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled=True):
         global _enabled
-        if not isinstance(enabled, bool):
-            raise TypeError(f"use_kernels: expected True or False, got {enabled!r}")
+        if not (isinstance(enabled, bool) or enabled == ALL):
+            raise TypeError(f"use_kernels: expected True, False or {ALL!r}, got {enabled!r}")
         self.previous = _enabled
         _enabled = enabled
 
@@ -75,8 +80,8 @@ CPU_KERNELS = {
     "encoder": "encoder:fused_encoder",
 }
 
-# The CUDA kernels, by the same names. Empty until the GPU work adds them (with a record of the GPU
-# where each passed its tests); until then CuPy arrays run the reference ops.
+# The CUDA kernels, by the same names (kernels/cuda/); each runs only once kernels/cuda/passed.json
+# records that its GPU tests passed, or when the setting is "all".
 CUDA_KERNELS: dict = {}
 
 _KERNEL_DTYPES = (np.float32, np.float64)
@@ -96,6 +101,15 @@ def kernel_for(name: str, *arrays):
     if not arrays or any(getattr(a, "dtype", None) not in _KERNEL_DTYPES for a in arrays):
         return None
     xp = get_array_module(*arrays)
-    table, package = (CPU_KERNELS, "cpu") if xp is np else (CUDA_KERNELS, "cuda")
-    where = table.get(name)
-    return None if where is None else _load(package, where)
+    if xp is np:
+        where = CPU_KERNELS.get(name)
+        return None if where is None else _load("cpu", where)
+    where = CUDA_KERNELS.get(name)
+    if where is None or (_enabled != ALL and name not in _cuda_passed()):
+        return None
+    return _load("cuda", where)
+
+
+def _cuda_passed() -> dict:
+    from .cuda import passed_kernels
+    return passed_kernels()

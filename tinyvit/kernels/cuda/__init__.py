@@ -1,3 +1,42 @@
-"""CuPy kernels (CUDA C++ through cupy.RawKernel), one op per file, each beside the reference op it
-replaces and turned on only once its tests have passed on a real GPU. None yet: on CuPy arrays every
-op runs its reference (tinyvit/ops/, the same code as on NumPy)."""
+"""CuPy kernels: CUDA C++ through cupy.RawModule, one op per file, each beside the reference op it
+replaces (tinyvit/ops/) and with the same signature.
+
+Each module kernels/cuda/<op>.py holds SOURCE, the CUDA C++ of its kernels, and the Functions that
+launch them. CI has no GPU, but it compiles every SOURCE with NVRTC for SM_ARCHS
+(tests/test_kernels_cuda_compile.py), so a kernel that does not compile fails CI. Whether a kernel
+computes the right numbers only a GPU can tell: its `pytest -m gpu` tests (tests/test_kernels_cuda.py)
+compare it with the reference, and passed.json records where they passed (GPU, CuPy and CUDA
+versions, commit, date). The switchboard (tinyvit.kernels.kernel_for) runs a CUDA kernel only once
+it is recorded there; `use_kernels("all")`, TINYVIT_KERNELS=all or `--kernels all` force the
+unrecorded ones too, for testing them on a GPU. Until then CuPy arrays run the reference ops.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+SM_ARCHS = ("sm_80", "sm_90")          # A100 and H100/H200: what CI compiles every kernel for
+RECORD = Path(__file__).with_name("passed.json")
+NVRTC_OPTIONS = ("--std=c++14",)
+
+
+def passed_kernels() -> dict:
+    """{op name: [where its GPU tests passed: {"gpu", "cupy", "cuda", "commit", "date"}, ...]} from
+    passed.json; an op that is not there has not passed on any GPU yet."""
+    if not RECORD.is_file():
+        return {}
+    return json.loads(RECORD.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _module(source: str, device_id: int):
+    import cupy
+    with cupy.cuda.Device(device_id):
+        return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+
+
+def kernel(source: str, name: str):
+    """The __global__ function ``name`` of ``source``, compiled (once per device) for the current GPU."""
+    import cupy
+    return _module(source, cupy.cuda.Device().id).get_function(name)
