@@ -1,13 +1,23 @@
-"""Shared fixtures: the array backend (NumPy always, CuPy when a CUDA device is present) and torch.
+"""Shared fixtures: the array backend (NumPy; the CuPy stand-in; CuPy when a CUDA device is present)
+and torch.
 
-Tests take an ``xp`` argument to run once per backend; the CuPy run carries the ``gpu`` marker, so
-``pytest -m gpu`` runs exactly the GPU half and a machine without a GPU reports why it skipped.
+Tests take an ``xp`` argument to run once per backend:
+
+    cpu      numpy
+    standin  the CPU stand-in for CuPy (tests/cupy_standin): CuPy's types, names, signatures and
+             refusals computed by NumPy, so every ``xp is not np`` branch runs everywhere, CI too
+    gpu      cupy on a CUDA device; carries the ``gpu`` marker, so ``pytest -m gpu`` runs exactly
+             the GPU half and a machine without a GPU reports why it skipped
+
+A test that only real CuPy can run (CUDA kernels, memory pools, timings) is marked
+``@pytest.mark.no_standin("why")``: its stand-in run skips, saying why.
 """
 import os
 
 import numpy as np
 import pytest
 
+import cupy_standin
 from kernel_checks import SMALL_BLOCK, SMALL_SAMPLES
 
 
@@ -21,18 +31,33 @@ def _cuda_available():
 
 CUDA = _cuda_available()
 
-
-@pytest.fixture(params=[
-    pytest.param("numpy", id="cpu"),
-    pytest.param("cupy", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+BACKENDS = {
+    "cpu": pytest.param("numpy", id="cpu"),
+    "standin": pytest.param("standin", id="standin", marks=pytest.mark.skipif(
+        not cupy_standin.available(), reason="the CuPy stand-in takes its names from the cupy package, "
+        "which is not installed (pip install 'tinyvit[cuda-compile]'; no GPU needed)")),
+    "gpu": pytest.param("cupy", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not CUDA, reason="no CUDA device with CuPy here (pip install 'tinyvit[gpu]' on a GPU machine)")]),
-])
-def xp(request):
-    """numpy, or cupy on a CUDA machine."""
+}
+
+
+@pytest.fixture(params=list(BACKENDS.values()))
+def xp(request, monkeypatch):
+    """numpy; the CuPy stand-in (installed as tinyvit's CuPy for the test); or cupy on a CUDA machine."""
     if request.param == "numpy":
         return np
+    if request.param == "standin":
+        marker = request.node.get_closest_marker("no_standin")
+        if marker:
+            pytest.skip(f"real CuPy only: {marker.args[0] if marker.args else 'needs a GPU'}")
+        return cupy_standin.install(monkeypatch)
     import cupy
     return cupy
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_standin(reason): runs on NumPy and real CuPy only, not on "
+                            "the CuPy stand-in (it needs a real GPU: CUDA kernels, memory pools, timings)")
 
 
 # ---------------------------------------------------------------- the two paths: kernels and reference

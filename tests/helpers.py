@@ -17,7 +17,7 @@ def const(xp, array, dtype=None):
 
 def assert_close(actual, expected, rtol, atol=0.0, what="value"):
     """np.testing.assert_allclose on host copies, with a name in the message."""
-    actual = to_numpy(getattr(actual, "data", actual))
+    actual = to_numpy(actual.data if isinstance(actual, tv.Tensor) else actual)   # (a CuPy array's .data is its pointer)
     expected = np.asarray(expected.detach().cpu().numpy() if hasattr(expected, "detach") else expected)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)

@@ -32,6 +32,18 @@ def test_separable_features_are_classified_perfectly():
     assert fewshot_linear(x[idx], y[idx], x[test], y[test]) >= 0.99
 
 
+def test_device_arrays_and_tensors_as_features_and_labels(xp):
+    """Features and labels may be device arrays or Tensors: the same accuracy and scores as NumPy's."""
+    x, y = _blobs(k=3, d=8, per_class=10, spread=2.0)
+    test = np.arange(0, len(y), 3)
+    train = np.setdiff1d(np.arange(len(y)), test)
+    host = fewshot_linear(x[train], y[train], x[test], y[test])
+    assert fewshot_linear(xp.asarray(x[train]), xp.asarray(y[train]), xp.asarray(x[test]), xp.asarray(y[test])) == host
+    assert fewshot_linear(tv.Tensor(xp.asarray(x[train])), y[train], tv.Tensor(xp.asarray(x[test])), y[test]) == host
+    scores = fit_least_squares(xp.asarray(x[train]), xp.asarray(y[train]), 3)(xp.asarray(x[test]))
+    np.testing.assert_allclose(scores, fit_least_squares(x[train], y[train], 3)(x[test]), rtol=1e-12)
+
+
 def test_random_features_give_chance():
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal((4000, 64)), rng.integers(0, 4, 4000)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import backend
-from .autograd import no_grad
+from .autograd import Tensor, no_grad
 
 
 def _as_float64(x) -> np.ndarray:
-    return np.asarray(backend.to_numpy(getattr(x, "data", x)), dtype=np.float64)
+    x = x.data if isinstance(x, Tensor) else x          # (a CuPy array's .data is its memory pointer)
+    return np.asarray(backend.to_numpy(x), dtype=np.float64)
 
 
 def fit_least_squares(features, labels, num_classes: int, l2: float = 1.0, standardize: bool = True):

@@ -7,12 +7,12 @@ it); the reference is the one to read beside the paper.
 Every function accepts Tensors or raw arrays and returns a Tensor.
 """
 from .kernels import kernel_for
-from .ops import activation, attention, basic, norm, patch
+from .ops import activation, attention, basic, loss, norm, patch
 from .ops.activation import log_softmax, softmax
 from .ops.basic import (add, cast, concat, div, exp, getitem, log, matmul, max, mean, mul, neg, permute, pow,
                         relu, reshape, sqrt, sub, sum, tanh, transpose, where)
 from .ops.conv import conv2d, max_pool2d
-from .ops.loss import cross_entropy, mse
+from .ops.loss import mse
 from .ops.norm import group_norm, weight_standardize
 from .ops.regularize import drop_path, dropout
 
@@ -49,6 +49,14 @@ def gelu(x, approximate="none"):
     Reference: ops/activation.py; kernel: kernels/cpu/gelu.py."""
     name = "gelu" if approximate == "none" else "gelu_tanh"
     return activation.gelu(x, approximate, function=kernel_for(name, x))
+
+
+def cross_entropy(logits, target, label_smoothing=0.0):
+    """Mean cross-entropy of logits (..., K) against integer labels (...) or probabilities (..., K),
+    label smoothing eps mixing the target with the uniform distribution: (1 - eps) t + eps / K.
+    Reference: ops/loss.py; kernel: kernels/cuda/loss.py."""
+    return loss.cross_entropy(logits, target, label_smoothing,
+                              function=kernel_for("cross_entropy", logits) or loss.CrossEntropy)
 
 
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,

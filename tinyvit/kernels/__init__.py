@@ -82,7 +82,14 @@ CPU_KERNELS = {
 
 # The CUDA kernels, by the same names (kernels/cuda/); each runs only once kernels/cuda/passed.json
 # records that its GPU tests passed, or when the setting is "all".
-CUDA_KERNELS: dict = {}
+CUDA_KERNELS: dict = {
+    "layer_norm": "layernorm:LayerNorm",
+    "gelu": "gelu:GELU",
+    "gelu_tanh": "gelu:GELUTanh",
+    "optimizer_step": "optim:step",
+    "multi_head_attention": "attention:MultiHeadAttention",
+    "cross_entropy": "loss:CrossEntropy",
+}
 
 _KERNEL_DTYPES = (np.float32, np.float64)
 

@@ -99,11 +99,12 @@ def _as_constant_target(op, target, like, cast_all):
     return target
 
 
-def cross_entropy(logits, target, label_smoothing=0.0):
+def cross_entropy(logits, target, label_smoothing=0.0, function=CrossEntropy):
     """Mean cross-entropy of ``logits`` (..., K) against integer labels (...) or probabilities (..., K).
 
     label_smoothing eps in [0, 1] mixes the target with the uniform distribution: (1 - eps) t + eps / K.
-    A probability target that is a Tensor with requires_grad gets a gradient too."""
+    A probability target that is a Tensor with requires_grad gets a gradient too.
+    function: the Function that computes it, this reference unless tinyvit.functional passes a kernel."""
     require_float("cross_entropy", logits=logits)
     ls = shape_of(logits)
     if not ls or ls[-1] == 0:
@@ -139,7 +140,7 @@ def cross_entropy(logits, target, label_smoothing=0.0):
     else:
         raise ValueError(f"cross_entropy: target of shape {ts} does not fit logits of shape {ls}: expected "
                          f"integer labels of shape {ls[:-1]} or probabilities of shape {ls}")
-    return CrossEntropy.apply(logits, target, eps)
+    return function.apply(logits, target, eps)
 
 
 def mse(pred, target):

@@ -4,9 +4,9 @@ replaces (tinyvit/ops/) and with the same signature.
 Each module kernels/cuda/<op>.py holds SOURCE, the CUDA C++ of its kernels, and the Functions that
 launch them. CI has no GPU, but it compiles every SOURCE with NVRTC for SM_ARCHS
 (tests/test_kernels_cuda_compile.py), so a kernel that does not compile fails CI. Whether a kernel
-computes the right numbers only a GPU can tell: its `pytest -m gpu` tests (tests/test_kernels_cuda.py)
+computes the right numbers only a GPU can tell: its `pytest -m gpu` tests (tests/test_kernels_cuda_*.py)
 compare it with the reference, and passed.json records where they passed (GPU, CuPy and CUDA
-versions, commit, date). The switchboard (tinyvit.kernels.kernel_for) runs a CUDA kernel only once
+versions, commit, date; `python -m tinyvit.kernels.cuda.record` runs them and writes it). The switchboard (tinyvit.kernels.kernel_for) runs a CUDA kernel only once
 it is recorded there; `use_kernels("all")`, TINYVIT_KERNELS=all or `--kernels all` force the
 unrecorded ones too, for testing them on a GPU. Until then CuPy arrays run the reference ops.
 """

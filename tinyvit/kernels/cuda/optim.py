@@ -1,0 +1,240 @@
+"""The AdamW step on an NVIDIA GPU: one kernel launch updates every parameter, with the same numbers
+as tinyvit/optim.py's Adam._update (AdamW: decoupled weight decay). Per parameter p with gradient g,
+moments m, v, at its step t (the reference's order of operations, each rounded to the dtype):
+
+    p <- p * (1 - lr lambda)                                    (decoupled weight decay)
+    m <- beta1 m + (1 - beta1) g
+    v <- beta2 v + (1 - beta2) g^2
+    p <- p - (m / (sqrt(v) / sqrt(1 - beta2^t) + eps)) * (lr / (1 - beta1^t))
+
+The plain loop launches about ten element-wise CuPy kernels per parameter (~150 parameters in a
+ViT-B/16: ~1500 launches a step, most on small arrays). Here one launch does them all.
+
+How the kernel finds the parameters: a table of one AdamWTensor record per parameter (the device
+addresses of p, g, m, v, the size, and the per-parameter numbers, 1 - lr lambda, lr / (1 - beta1^t),
+sqrt(1 - beta2^t), ..., computed on the host in Python floats exactly as the reference computes
+them), copied to the GPU with each step (112 bytes per parameter; cupy.asarray copies through a
+pinned buffer asynchronously, so the step still never waits for the GPU). Not one flat buffer of all
+parameters: the parameters, gradients and moments are separate arrays owned by Parameters and the
+optimizer state, and concatenating them would cost two extra passes over memory per step.
+Each parameter gets ceil(size / ELEMENTS_PER_BLOCK) consecutive blocks of the grid; a block finds its
+parameter by binary search over the records' first_block, then its THREADS threads update its
+ELEMENTS_PER_BLOCK elements (coalesced, stride THREADS).
+Every operation is an explicitly rounded intrinsic (__fmul_rn, __fdiv_rn, __fsqrt_rn, ...), which
+the compiler never contracts into fused multiply-adds: the same roundings as the reference's
+separate CuPy kernels, so the same numbers, bit for bit where CuPy's kernels round correctly.
+
+step(items, update) uses the kernel for the parameters of an Adam optimizer whose update is
+Adam._update with decoupled weight decay (AdamW) or no weight decay, standard hyperparameters
+(lr, betas, eps, weight_decay as numbers), and float32/float64 contiguous arrays; every other item
+goes to update(*item), the reference loop.
+Tests: tests/test_kernels_cuda_optim.py (on a GPU: `pytest -m gpu`; on the CPU the Python side runs
+against a NumPy emulation of the kernel that follows the table's addresses).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+
+import numpy as np
+
+from ...backend import device_of, get_array_module, is_cupy_array
+from ...optim import Adam
+from . import kernel
+from .layernorm import entry
+
+THREADS = 256
+ELEMENTS_PER_BLOCK = THREADS * 8
+MAX_BLOCKS = 2 ** 31 - 1                      # CUDA's limit on grid.x
+
+SOURCE = r"""
+// One parameter of the step: 14 fields of 8 bytes, no padding; the host builds the same layout
+// (kernels/cuda/optim.py TENSOR, checked against this struct by a test).
+struct AdamWTensor {
+    unsigned long long param, grad, exp_avg, exp_avg_sq;   // device addresses of T arrays
+    long long size;                                         // elements
+    long long first_block;                                  // the first block of the grid on it
+    double decay;                                           // 1 - lr * weight_decay
+    double beta1, one_minus_beta1, beta2, one_minus_beta2;
+    double bias_correction2_sqrt;                           // sqrt(1 - beta2^t)
+    double eps;
+    double step_size;                                       // lr / (1 - beta1^t)
+};
+
+// Correctly rounded operations that the compiler keeps apart (no fused multiply-add).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
+template <typename T>
+__device__ void adamw_step(const AdamWTensor* tensors, int count, int elements_per_block) {
+    int lo = 0, hi = count - 1;                  // the last tensor whose first_block <= blockIdx.x
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tensors[mid].first_block <= (long long)blockIdx.x) lo = mid; else hi = mid - 1;
+    }
+    const AdamWTensor t = tensors[lo];
+    T* p = reinterpret_cast<T*>(t.param);
+    const T* g = reinterpret_cast<const T*>(t.grad);
+    T* m = reinterpret_cast<T*>(t.exp_avg);
+    T* v = reinterpret_cast<T*>(t.exp_avg_sq);
+    // the per-tensor numbers, rounded to T as the reference's CuPy kernels round Python floats
+    const T decay = (T)t.decay, beta1 = (T)t.beta1, one_minus_beta1 = (T)t.one_minus_beta1;
+    const T beta2 = (T)t.beta2, one_minus_beta2 = (T)t.one_minus_beta2;
+    const T bias_correction2_sqrt = (T)t.bias_correction2_sqrt, eps = (T)t.eps;
+    const T step_size = (T)t.step_size;
+
+    const long long first = ((long long)blockIdx.x - t.first_block) * elements_per_block;
+    const long long last = min(first + elements_per_block, t.size);
+    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
+        const T gi = g[i];
+        const T pi = mul_rn(p[i], decay);                                  // p *= 1 - lr wd
+        const T mi = add_rn(mul_rn(m[i], beta1), mul_rn(gi, one_minus_beta1));
+        const T vi = add_rn(mul_rn(v[i], beta2), mul_rn(mul_rn(gi, gi), one_minus_beta2));
+        const T denom = add_rn(div_rn(sqrt_rn(vi), bias_correction2_sqrt), eps);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = sub_rn(pi, mul_rn(div_rn(mi, denom), step_size));
+    }
+}
+
+extern "C" __global__ void adamw_step_f32(const AdamWTensor* tensors, int count,
+                                          int elements_per_block) {
+    adamw_step<float>(tensors, count, elements_per_block);
+}
+extern "C" __global__ void adamw_step_f64(const AdamWTensor* tensors, int count,
+                                          int elements_per_block) {
+    adamw_step<double>(tensors, count, elements_per_block);
+}
+"""
+
+# The host side of struct AdamWTensor: the same fields in the same order, 8 bytes each.
+TENSOR = np.dtype([
+    ("param", np.uint64), ("grad", np.uint64), ("exp_avg", np.uint64), ("exp_avg_sq", np.uint64),
+    ("size", np.int64), ("first_block", np.int64),
+    ("decay", np.float64), ("beta1", np.float64), ("one_minus_beta1", np.float64),
+    ("beta2", np.float64), ("one_minus_beta2", np.float64), ("bias_correction2_sqrt", np.float64),
+    ("eps", np.float64), ("step_size", np.float64),
+])
+
+_HYPERPARAMETERS = {"params", "lr", "betas", "eps", "weight_decay", "lr_scale", "name"}
+
+
+def _launch(name, dtype, grid, block, args):
+    """Run entry point ``name`` for ``dtype`` (tests on the CPU replace this with an emulation)."""
+    kernel(SOURCE, entry(name, dtype))(grid, block, args)
+
+
+def _address(a) -> int:
+    return a.data.ptr if is_cupy_array(a) else a.ctypes.data
+
+
+def _device(a):
+    """The context that makes a's GPU the current one (nothing for a NumPy array)."""
+    if is_cupy_array(a):
+        import cupy
+        return cupy.cuda.Device(a.device.id)
+    return contextlib.nullcontext()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def fusable_optimizer(update) -> bool:
+    """Whether update (the optimizer's bound _update) is Adam's update, which the kernel computes."""
+    return isinstance(getattr(update, "__self__", None), Adam) and getattr(update, "__func__", None) is Adam._update
+
+
+def fusable(item, decoupled: bool) -> bool:
+    """Whether the kernel can update this (p, g, state, group) item: standard hyperparameters
+    (numbers; weight decay decoupled, or none), arrays of one kind, float32 or float64, C-contiguous,
+    the state empty or the reference's {step, exp_avg, exp_avg_sq}."""
+    p, g, state, group = item
+    if not set(group) <= _HYPERPARAMETERS:
+        return False
+    betas = group["betas"]
+    if not (all(_is_number(group[k]) for k in ("lr", "eps", "weight_decay")) and len(betas) == 2
+            and all(_is_number(b) for b in betas)):
+        return False
+    if not decoupled and group["weight_decay"] != 0:
+        return False
+    data = p.data
+    if data.dtype not in (np.float32, np.float64) or not data.flags.c_contiguous:
+        return False
+    arrays = [g]
+    if state:
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
+            return False
+        arrays += [state["exp_avg"], state["exp_avg_sq"]]
+    # g may be any layout (it is made contiguous); the moments are updated in place, so must be
+    return all(type(a) is type(data) and a.dtype == data.dtype and a.shape == data.shape for a in arrays) \
+        and all(a.flags.c_contiguous for a in arrays[1:])
+
+
+def step(items, update) -> None:
+    """update(p, g, state, group) for every (p, g, state, group) of items, the Adam(W) ones by the
+    kernel (one launch per device and dtype), the others by update itself."""
+    if not fusable_optimizer(update):
+        for item in items:
+            update(*item)
+        return
+    decoupled = update.__self__._decoupled
+    batches = {}
+    for item in items:
+        if fusable(item, decoupled):
+            batches.setdefault((device_of(item[0].data), item[0].dtype), []).append(item)
+        else:
+            update(*item)
+    for batch in batches.values():
+        _fused_step(batch)
+
+
+def table(items):
+    """The AdamWTensor records of items (state already advanced to this step) and the grid size:
+    (records, total blocks). Parameters with no elements get no record (and no blocks)."""
+    records = np.zeros(len(items), dtype=TENSOR)
+    block = 0
+    for k, (p, g, state, group) in enumerate(items):
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        t = state["step"]
+        records[k] = (_address(p.data), _address(g), _address(state["exp_avg"]), _address(state["exp_avg_sq"]),
+                      p.data.size, block,
+                      1 - lr * wd if wd != 0 else 1.0,          # the reference's Python floats, exactly
+                      b1, 1 - b1, b2, 1 - b2,
+                      math.sqrt(1 - b2 ** t),
+                      eps,
+                      lr / (1 - b1 ** t))
+        block += -(-p.data.size // ELEMENTS_PER_BLOCK)
+    if block > MAX_BLOCKS:
+        raise ValueError(f"AdamW kernel: {block} blocks are more than one CUDA grid holds")
+    return records[records["size"] > 0], block
+
+
+def _fused_step(items):
+    """Advance each item's state as Adam._update does, then one kernel launch for all of them
+    (items of one device and dtype)."""
+    p0 = items[0][0].data
+    xp = get_array_module(p0)
+    with _device(p0):
+        ready = []
+        for p, g, state, group in items:
+            if not state:                                       # the reference's first step
+                state["step"] = 0
+                state["exp_avg"] = xp.zeros_like(p.data)
+                state["exp_avg_sq"] = xp.zeros_like(p.data)
+            state["step"] += 1
+            ready.append((p, xp.ascontiguousarray(g), state, group))   # g referenced until the launch
+        records, blocks = table(ready)
+        if blocks:
+            tensors = xp.asarray(records.view(np.int64))       # the records, as raw 8-byte words
+            _launch("adamw_step", p0.dtype, (blocks,), (THREADS,),
+                    (tensors, np.int32(len(records)), np.int32(ELEMENTS_PER_BLOCK)))
