@@ -238,3 +238,21 @@ def test_bad_input_errors():
         F.softmax(np.array(1.0))
     with pytest.raises(ValueError, match=r"axis 1 of shape \(2, 0\) is empty"):
         F.log_softmax(np.zeros((2, 0)))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_in_float16_gives_no_nan_where_float32_gives_none(approximate):
+    """Exact GELU's erf (Cody's rational) and the tanh form's x^3 overflow float16 for |x| of a few
+    units, which gave NaN; float16 is computed in float32 and rounded back: finite wherever float32
+    is, and equal to the float32 result to float16 precision, forward and backward."""
+    x = np.array([-60000, -300, -10, -4, -3.9, -1, -1e-3, 0, 1e-3, 1, 3.9, 4, 10, 300, 60000])
+    results = {}
+    for dtype in (np.float16, np.float32):
+        t = tv.Tensor(x.astype(dtype), requires_grad=True)
+        y = F.gelu(t, approximate)
+        y.backward(np.ones(x.shape, dtype))
+        assert y.dtype == dtype and t.grad.dtype == dtype
+        results[dtype] = y.numpy().astype(np.float64), t.grad.astype(np.float64)
+    for half, single in zip(results[np.float16], results[np.float32]):
+        assert np.isfinite(half).all()
+        np.testing.assert_allclose(half, single, rtol=1e-3, atol=1e-3)

@@ -100,23 +100,30 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TANH_C = 0.044715
 
 
+def _widened(x):
+    """x itself, or float16 x as float32: erf's rational and x^2 overflow float16's 65504 for |x| of
+    a few units, which would give NaN where float32 gives none; the result is rounded back."""
+    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
+
+
 class GELU(Function):
     """Gaussian error linear unit (Hendrycks & Gimpel 2016), the MLP non-linearity of ViT (Eq. 3).
 
-    x: any shape -> y: same shape
+    x: any shape -> y: same shape (float16 is computed in float32 and rounded back)
       y = x Phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2        (the standard normal CDF)
       dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
     """
 
     def forward(self, x):
-        cdf = normal_cdf(x)
-        self.save(x, cdf)
-        return x * cdf
+        w = _widened(x)
+        cdf = normal_cdf(w)
+        self.save(w, cdf)
+        return (w * cdf).astype(x.dtype, copy=False)
 
     def backward(self, gy):
         x, cdf = self.saved
         pdf = get_array_module(x).exp(-0.5 * x * x) * _INV_SQRT_2PI
-        return gy * (cdf + x * pdf)
+        return (_widened(gy) * (cdf + x * pdf)).astype(gy.dtype, copy=False)
 
 
 class GELUTanh(Function):
@@ -129,17 +136,18 @@ class GELUTanh(Function):
     """
 
     def forward(self, x):
-        xp = get_array_module(x)
-        with np.errstate(over="ignore", invalid="ignore"):   # |x| > 1e19 in float32: x^3 is inf
-            t = xp.tanh(_SQRT_2_OVER_PI * (x + _TANH_C * x * x * x))
-        self.save(x, t)
-        return 0.5 * x * (1.0 + t)
+        xp, w = get_array_module(x), _widened(x)
+        with np.errstate(over="ignore", invalid="ignore"):   # |x| > 1e13 in float32: x^3 is inf
+            t = xp.tanh(_SQRT_2_OVER_PI * (w + _TANH_C * w * w * w))
+        self.save(w, t)
+        return (0.5 * w * (1.0 + t)).astype(x.dtype, copy=False)
 
     def backward(self, gy):
         x, t = self.saved
         with np.errstate(over="ignore", invalid="ignore"):
             du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * x * x)
-            return gy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx)
+            dy_dx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx
+        return (_widened(gy) * dy_dx).astype(gy.dtype, copy=False)
 
 
 # ---------------------------------------------------------------- softmax and log-softmax
