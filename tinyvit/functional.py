@@ -40,13 +40,13 @@ def patch_embed(images, w, b, patch_size):
 
 def layer_norm(x, weight, bias, eps=1e-6):
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias (x: (..., D)).
-    Reference: ops/norm.py; kernel: kernels/cpu/layernorm.py."""
+    Reference: ops/norm.py; kernels: kernels/cpu/layernorm.py, kernels/cuda/layernorm.py."""
     return norm.layer_norm(x, weight, bias, eps, function=kernel_for("layer_norm", x, weight, bias) or norm.LayerNorm)
 
 
 def gelu(x, approximate="none"):
     """GELU, y = x Phi(x): exact with approximate="none" (erf), the tanh form with "tanh".
-    Reference: ops/activation.py; kernel: kernels/cpu/gelu.py."""
+    Reference: ops/activation.py; kernels: kernels/cpu/gelu.py, kernels/cuda/gelu.py."""
     name = "gelu" if approximate == "none" else "gelu_tanh"
     return activation.gelu(x, approximate, function=kernel_for(name, x))
 
@@ -62,7 +62,8 @@ def cross_entropy(logits, target, label_smoothing=0.0):
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
                          return_attention=False):
     """Multi-head self-attention (appendix A, Eq. 5-8) on tokens x: (B, N, D) -> (B, N, D); see
-    ops/attention.py for the arguments. Reference: ops/attention.py; kernel: kernels/cpu/attention.py."""
+    ops/attention.py for the arguments. Reference: ops/attention.py; kernels: kernels/cpu/attention.py,
+    kernels/cuda/attention.py."""
     kernel = kernel_for("multi_head_attention", x, w_qkv, b_qkv, w_proj, b_proj)
     return attention.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout, training,
                                           return_attention, function=kernel)

@@ -13,8 +13,8 @@ Saved for backward: the logits (the input itself, no copy), m and s (two numbers
 the reference keeps all of z: the gradient recomputes exp(z) as it writes. z is formed as the
 reference forms it, (x - m) - s, not x - (m + s), which would round m + s to the precision of large
 logits. g, the upstream gradient, stays on the GPU: the backward kernel reads it from device
-memory, so a training step never waits for the loss to reach the host. Labels are int64 (others are converted); probabilities have the
-logits' dtype. float32 (accumulating in float32) and float64.
+memory, so a training step never waits for the loss to reach the host. Labels are int64 (others
+are converted); probabilities have the logits' dtype. float32 (accumulating in float32) and float64.
 
 Tests: tests/test_kernels_cuda_loss.py (GPU: equal to the reference, loss and every gradient).
 """
@@ -126,8 +126,9 @@ __device__ void cross_entropy_forward(const T* __restrict__ logits, const long l
 template <typename T>
 __device__ void cross_entropy_backward(const T* __restrict__ logits, const long long* __restrict__ labels,
                                        const T* __restrict__ probs, const T* __restrict__ row_max,
-                                       const T* __restrict__ row_log_sum, const T* __restrict__ gy, T* __restrict__ dlogits,
-                                       T* __restrict__ dprobs, int k, long long n, T smoothing) {
+                                       const T* __restrict__ row_log_sum, const T* __restrict__ gy,
+                                       T* __restrict__ dlogits, T* __restrict__ dprobs, int k, long long n,
+                                       T smoothing) {
     const long long i = blockIdx.x;
     const T g = gy[0] / T(n);
     const T top = row_max[i], log_sum = row_log_sum[i], keep = T(1) - smoothing, uniform = smoothing / T(k);
