@@ -23,8 +23,7 @@ from tinyvit.kernels.cuda import gelu as k_gelu
 from tinyvit.ops import activation
 
 from kernel_checks import F64
-from test_kernels_cuda_layernorm import (assert_equal_results, cuda_signature, forward_backward_on,
-                                         make_device_fixture, ptx_by_entry)
+from cuda_checks import assert_equal_results, cuda_signature, forward_backward_on, make_device_fixture, ptx_by_entry
 
 OPS = ["gelu", "gelu_tanh"]   # the ops these tests cover (python -m tinyvit.kernels.cuda.record)
 

@@ -25,7 +25,7 @@ from tinyvit.kernels import kernel_for, use_kernels
 from tinyvit.kernels.cuda import optim as k_optim
 
 from kernel_checks import assert_same
-from test_kernels_cuda_layernorm import make_device_fixture
+from cuda_checks import make_device_fixture
 
 OPS = ["optimizer_step"]      # the ops these tests cover (python -m tinyvit.kernels.cuda.record)
 

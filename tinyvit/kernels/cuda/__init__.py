@@ -16,6 +16,8 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
+
 SM_ARCHS = ("sm_80", "sm_90")          # A100 and H100/H200: what CI compiles every kernel for
 RECORD = Path(__file__).with_name("passed.json")
 NVRTC_OPTIONS = ("--std=c++14",)
@@ -40,3 +42,15 @@ def kernel(source: str, name: str):
     """The __global__ function ``name`` of ``source``, compiled (once per device) for the current GPU."""
     import cupy
     return _module(source, cupy.cuda.Device().id).get_function(name)
+
+
+_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
+def entry(name: str, dtype) -> str:
+    """The extern "C" entry point of kernel ``name`` for ``dtype``: layer_norm_forward_f32, ...
+    (each kernel is a C++ template with one entry point per dtype)."""
+    suffix = _SUFFIX.get(np.dtype(dtype))
+    if suffix is None:
+        raise TypeError(f"{name}: the CUDA kernels take float32 or float64, got {np.dtype(dtype)}")
+    return f"{name}_{suffix}"

@@ -43,7 +43,7 @@ import numpy as np
 from ...autograd import Function
 from ...backend import get_array_module
 from ...ops import attention as reference
-from . import kernel
+from . import entry, kernel
 
 # The block shape, the same numbers as SOURCE's constants (a test compares them).
 WARP = 32
@@ -483,7 +483,6 @@ ATTENTION_KERNELS(double, f64)
 
 KERNEL_NAMES = ("attention_forward", "attention_probabilities", "attention_delta", "attention_backward_dq",
                 "attention_backward_dkdv")
-_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 NULL = np.uintp(0)     # a null pointer argument (CuPy passes a NumPy scalar by value: 8 bytes, as a pointer)
 
 
@@ -541,7 +540,7 @@ def _launch(name, dtype, shape, args):
     """Launch kernel ``name`` for this dtype on shape = (B, H, M, N, D_h), opting in to more than
     48 KB of dynamic shared memory where it needs it."""
     grid, block, shared = launch_config(name, *shape, np.dtype(dtype).itemsize)
-    function = kernel(SOURCE, f"{name}_{_SUFFIX[np.dtype(dtype)]}")
+    function = kernel(SOURCE, entry(name, dtype))
     if shared > STATIC_SHARED_LIMIT and function.max_dynamic_shared_size_bytes < shared:
         function.max_dynamic_shared_size_bytes = shared
     function(grid, block, args, shared_mem=shared)

@@ -25,8 +25,7 @@ import numpy as np
 
 from ...autograd import Function
 from ...backend import get_array_module
-from . import kernel
-from .layernorm import entry
+from . import entry, kernel
 
 THREADS = 256                # columns per block
 TARGET_BLOCKS = 4096         # grid.y is chosen so that the grid has about this many blocks ...

@@ -48,7 +48,7 @@ import numpy as np
 
 from ...autograd import Function
 from ...backend import get_array_module
-from . import kernel
+from . import entry, kernel
 
 WARPS_PER_BLOCK = 8          # rows per block of the row kernels (256 threads)
 COLUMN_TILE = 32             # columns per block of layer_norm_param_grads (one warp wide)
@@ -254,16 +254,7 @@ extern "C" __global__ void sum_chunks_f64(const double* part, double* out, int c
 
 # ---------------------------------------------------------------- launch configurations (pure)
 
-_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 SUM_CHUNKS_THREADS = 256
-
-
-def entry(name: str, dtype) -> str:
-    """The extern "C" entry point of kernel ``name`` for ``dtype``: layer_norm_forward_f32, ..."""
-    suffix = _SUFFIX.get(np.dtype(dtype))
-    if suffix is None:
-        raise TypeError(f"{name}: the CUDA kernels take float32 or float64, got {np.dtype(dtype)}")
-    return f"{name}_{suffix}"
 
 
 def _ceil_div(a: int, b: int) -> int:

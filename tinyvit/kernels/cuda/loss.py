@@ -24,7 +24,7 @@ import numpy as np
 
 from ...autograd import Function
 from ...backend import get_array_module
-from . import kernel
+from . import entry, kernel
 
 WARP = 32
 MAX_THREADS = 512          # threads per block (a row): 16 warps
@@ -161,7 +161,6 @@ CROSS_ENTROPY_KERNELS(float, f32)
 CROSS_ENTROPY_KERNELS(double, f64)
 """
 
-_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 NULL = np.uintp(0)     # a null pointer argument (CuPy passes a NumPy scalar by value: 8 bytes, as a pointer)
 
 
@@ -177,7 +176,7 @@ def launch_config(n: int, k: int):
 
 def _launch(name, dtype, n, k, args):
     grid, block = launch_config(n, k)
-    kernel(SOURCE, f"{name}_{_SUFFIX[np.dtype(dtype)]}")(grid, block, args)
+    kernel(SOURCE, entry(name, dtype))(grid, block, args)
 
 
 class CrossEntropy(Function):

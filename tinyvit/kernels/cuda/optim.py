@@ -41,8 +41,7 @@ import numpy as np
 
 from ...backend import device_of, get_array_module, is_cupy_array
 from ...optim import Adam
-from . import kernel
-from .layernorm import entry
+from . import entry, kernel
 
 THREADS = 256
 ELEMENTS_PER_BLOCK = THREADS * 8
