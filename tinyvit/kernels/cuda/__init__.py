@@ -44,6 +44,35 @@ def kernel(source: str, name: str):
     return _module(source, cupy.cuda.Device().id).get_function(name)
 
 
+# Device functions several kernels share, put into a SOURCE where it has the line MATH_HELPERS_LINE
+# (SOURCE = r"""...""".replace(MATH_HELPERS_LINE, MATH_HELPERS)); WARP and FULL_MASK come first there.
+MATH_HELPERS_LINE = "// #include MATH_HELPERS (kernels/cuda/__init__.py): exp_, log_, minus_infinity, warp_sum, warp_max"
+MATH_HELPERS = r"""
+__device__ __forceinline__ float exp_(float x) { return expf(x); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+
+template <typename T> __device__ __forceinline__ T minus_infinity();
+template <> __device__ __forceinline__ float minus_infinity<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double minus_infinity<double>() {
+    return -__longlong_as_double(0x7ff0000000000000LL);
+}
+
+// Sum and max over the 32 lanes of a warp (butterfly: every lane gets the same bits).
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+    for (int offset = WARP / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
+    for (int offset = WARP / 2; offset > 0; offset /= 2) {
+        const T other = __shfl_xor_sync(FULL_MASK, v, offset);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+"""
+
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from ...autograd import Function
 from ...backend import get_array_module
 from ...ops import attention as reference
-from . import entry, kernel
+from . import MATH_HELPERS, MATH_HELPERS_LINE, entry, kernel
 
 # The block shape, the same numbers as SOURCE's constants (a test compares them).
 WARP = 32
@@ -87,29 +87,7 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 
 extern __shared__ __align__(16) unsigned char shared_memory[];
 
-__device__ __forceinline__ float exp_(float x) { return expf(x); }
-__device__ __forceinline__ double exp_(double x) { return exp(x); }
-__device__ __forceinline__ float log_(float x) { return logf(x); }
-__device__ __forceinline__ double log_(double x) { return log(x); }
-
-template <typename T> __device__ __forceinline__ T minus_infinity();
-template <> __device__ __forceinline__ float minus_infinity<float>() { return -__int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ double minus_infinity<double>() {
-    return -__longlong_as_double(0x7ff0000000000000LL);
-}
-
-// Sum and max over the 32 lanes of a warp (butterfly: every lane gets the same bits).
-template <typename T> __device__ __forceinline__ T warp_sum(T v) {
-    for (int offset = WARP / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;
-}
-template <typename T> __device__ __forceinline__ T warp_max(T v) {
-    for (int offset = WARP / 2; offset > 0; offset /= 2) {
-        const T other = __shfl_xor_sync(FULL_MASK, v, offset);
-        v = other > v ? other : v;
-    }
-    return v;
-}
+// #include MATH_HELPERS (kernels/cuda/__init__.py): exp_, log_, minus_infinity, warp_sum, warp_max
 
 // Rows [first, first + count) of a head's (tokens, dh) matrix, row r at src + r * ld, times factor,
 // into dst with row pitch `pitch`; rows at or past `tokens` become zeros (a tile's padding then
@@ -479,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_backward_dk
 
 ATTENTION_KERNELS(float, f32)
 ATTENTION_KERNELS(double, f64)
-"""
+""".replace(MATH_HELPERS_LINE, MATH_HELPERS)
 
 KERNEL_NAMES = ("attention_forward", "attention_probabilities", "attention_delta", "attention_backward_dq",
                 "attention_backward_dkdv")

@@ -24,7 +24,7 @@ import numpy as np
 
 from ...autograd import Function
 from ...backend import get_array_module
-from . import entry, kernel
+from . import MATH_HELPERS, MATH_HELPERS_LINE, entry, kernel
 
 WARP = 32
 MAX_THREADS = 512          # threads per block (a row): 16 warps
@@ -42,28 +42,7 @@ SOURCE = r"""
 constexpr int WARP = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
-__device__ __forceinline__ float exp_(float x) { return expf(x); }
-__device__ __forceinline__ double exp_(double x) { return exp(x); }
-__device__ __forceinline__ float log_(float x) { return logf(x); }
-__device__ __forceinline__ double log_(double x) { return log(x); }
-
-template <typename T> __device__ __forceinline__ T minus_infinity();
-template <> __device__ __forceinline__ float minus_infinity<float>() { return -__int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ double minus_infinity<double>() {
-    return -__longlong_as_double(0x7ff0000000000000LL);
-}
-
-template <typename T> __device__ __forceinline__ T warp_sum(T v) {
-    for (int offset = WARP / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(FULL_MASK, v, offset);
-    return v;
-}
-template <typename T> __device__ __forceinline__ T warp_max(T v) {
-    for (int offset = WARP / 2; offset > 0; offset /= 2) {
-        const T other = __shfl_xor_sync(FULL_MASK, v, offset);
-        v = other > v ? other : v;
-    }
-    return v;
-}
+// #include MATH_HELPERS (kernels/cuda/__init__.py): exp_, log_, minus_infinity, warp_sum, warp_max
 
 // The sum (max) of v over the block, returned to every thread. partial: WARP numbers of shared memory.
 template <typename T> __device__ T block_sum(T v, T* partial) {
@@ -159,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(512) cross_entropy_backward_##SUFFI
 
 CROSS_ENTROPY_KERNELS(float, f32)
 CROSS_ENTROPY_KERNELS(double, f64)
-"""
+""".replace(MATH_HELPERS_LINE, MATH_HELPERS)
 
 NULL = np.uintp(0)     # a null pointer argument (CuPy passes a NumPy scalar by value: 8 bytes, as a pointer)
 
