@@ -1,0 +1,151 @@
+// Host (g++, C++20) emulation of the CUDA C++ that tinyvit's kernels (tinyvit/kernels/cuda/*.py SOURCE)
+// use, for tests/cuda_emulator/emulator.py. What is emulated:
+//   - one std::thread per CUDA thread; the blocks of a grid run one after another, the threads of a
+//     block all at once (threadIdx, blockIdx, blockDim, gridDim as in CUDA);
+//   - __syncthreads as a barrier of the block (a thread that returns drops out of it, as on sm_70+);
+//   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange between two barriers;
+//   - dynamic shared memory (extern __shared__) as a malloc of exactly the launch's bytes, filled with
+//     0xFF bytes (NaN) so that reading what no thread wrote shows up in the results; static __shared__
+//     arrays become function statics (one copy, fine while blocks run one at a time), registered on
+//     first use and refilled with 0xFF before every block (emulator.py rewrites their declarations);
+//   - the explicitly rounded intrinsics (__fmul_rn, __dadd_rn, ...) as plain IEEE operations, rsqrt as
+//     1 / sqrt, device math (expf, erfc, tanh, ...) as the host libm.
+// What is NOT emulated: warp scheduling and lockstep execution (a race that a real GPU hides or shows
+// may behave differently here), the CUDA memory model and caches, atomics, partial shuffle masks, and
+// the last-ulp behaviour of the device math functions and of nvcc's fused multiply-adds (g++ is run
+// without FMA contraction), so float32 results agree with a GPU to rounding, not bit for bit.
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <math.h>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+struct emu_uint3 { unsigned x, y, z; };
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+
+inline thread_local emu_uint3 threadIdx;
+inline thread_local emu_uint3 blockIdx;
+inline emu_uint3 blockDim, gridDim;
+
+struct EmuWarp {
+    std::barrier<> bar{32};
+    unsigned long long slot[32];
+};
+inline thread_local unsigned char* emu_shared_memory;
+inline thread_local std::barrier<>* emu_block_barrier;
+inline thread_local EmuWarp* emu_warp;
+inline thread_local unsigned emu_linear_thread;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+[[noreturn]] inline void emu_fail(const char* what) {
+    std::fprintf(stderr, "cuda emulator: %s\n", what);
+    std::abort();
+}
+
+// Static __shared__ arrays seen so far: (address, bytes), NaN-filled at registration and per block.
+inline std::mutex emu_static_shared_mutex;
+inline std::vector<std::pair<void*, size_t>> emu_static_shared;
+inline bool emu_register_shared(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(emu_static_shared_mutex);
+    std::memset(p, 0xFF, bytes);
+    emu_static_shared.emplace_back(p, bytes);
+    return true;
+}
+
+inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+
+template <typename T> T emu_exchange(T v, int source) {
+    static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
+    EmuWarp* w = emu_warp;
+    const unsigned lane = emu_linear_thread % 32;
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    w->slot[lane] = bits;
+    w->bar.arrive_and_wait();           // every lane has written its value
+    bits = w->slot[source & 31];
+    w->bar.arrive_and_wait();           // every lane has read before the next exchange writes
+    T r;
+    std::memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    if (mask != 0xffffffffu) emu_fail("partial shuffle mask");
+    return emu_exchange(v, (int)(emu_linear_thread % 32) ^ lane_mask);
+}
+template <typename T> T __shfl_sync(unsigned mask, T v, int source) {
+    if (mask != 0xffffffffu) emu_fail("partial shuffle mask");
+    return emu_exchange(v, source);
+}
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return sqrt(a); }
+
+// Run kernel on grid x block: blocks one after another, a block's threads at once.
+template <typename... P, typename... A>
+void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, A... args) {
+    const unsigned threads = block.x * block.y * block.z;
+    if (threads == 0 || threads > 1024) emu_fail("block of 0 or more than 1024 threads");
+    const unsigned warps = (threads + 31) / 32;
+    blockDim = {block.x, block.y, block.z};
+    gridDim = {grid.x, grid.y, grid.z};
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+    for (unsigned bx = 0; bx < grid.x; ++bx) {
+        unsigned char* memory = static_cast<unsigned char*>(std::malloc(shared ? shared : 1));
+        std::memset(memory, 0xFF, shared ? shared : 1);
+        for (auto& [p, bytes] : emu_static_shared) std::memset(p, 0xFF, bytes);
+        std::barrier<> bar(threads);
+        std::vector<EmuWarp> warp(warps);
+        // a partial last warp: its missing lanes never arrive at its barrier
+        for (unsigned t = threads; t < warps * 32; ++t) warp[t / 32].bar.arrive_and_drop();
+        std::vector<std::thread> pool;
+        pool.reserve(threads);
+        for (unsigned t = 0; t < threads; ++t) {
+            pool.emplace_back([&, t] {
+                threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                blockIdx = {bx, by, bz};
+                emu_linear_thread = t;
+                emu_shared_memory = memory;
+                emu_block_barrier = &bar;
+                emu_warp = &warp[t / 32];
+                kernel(args...);
+                bar.arrive_and_drop();      // an exited thread no longer holds up __syncthreads
+                warp[t / 32].bar.arrive_and_drop();
+            });
+        }
+        for (auto& th : pool) th.join();
+        std::free(memory);
+    }
+}

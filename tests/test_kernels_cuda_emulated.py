@@ -1,0 +1,275 @@
+"""The CUDA C++ of every kernels/cuda module, run on the CPU (tests/cuda_emulator: g++ against a shim
+that gives each CUDA thread an OS thread, __syncthreads a barrier, warp shuffles an exchange) and
+compared with the reference ops: outputs and every input's gradient, in float64 (rtol 1e-10, atol
+1e-12) and float32 (rtol 2e-5, atol 2e-6; atol relative to max(1, max |reference|)), on tiny shapes;
+the AdamW step bit for bit. The Functions of kernels/cuda get NumPy arrays, their `kernel`
+replaced by the emulator's (which also checks each launch's argument types against the C
+parameters, the grid and block limits and the shared-memory opt-in), their get_array_module by a
+NumPy whose empty() is NaN-filled, so an output element no kernel writes fails the comparison.
+
+This proves the kernels' arithmetic, indexing and synchronisation structure without a GPU; not their
+speed, nor the last ulp a GPU's math functions and fused multiply-adds give (float32 tolerance), nor
+races that only real warp scheduling would expose (see tests/cuda_emulator/emulator.py). The GPU
+tests (`pytest -m gpu`, tests/test_kernels_cuda_*.py) remain the proof on hardware.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from cuda_emulator import emulator
+from kernel_checks import assert_same, forward_backward
+
+import tinyvit as tv
+from tinyvit import nn, optim
+from tinyvit.kernels import use_kernels
+from tinyvit.kernels.cuda import attention as k_attention
+from tinyvit.kernels.cuda import gelu as k_gelu
+from tinyvit.kernels.cuda import layernorm as k_layernorm
+from tinyvit.kernels.cuda import loss as k_loss
+from tinyvit.kernels.cuda import optim as k_optim
+from tinyvit.ops import activation, attention, loss, norm
+
+MODULES = {"layernorm": k_layernorm, "gelu": k_gelu, "attention": k_attention, "loss": k_loss, "optim": k_optim}
+TOL = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}        # (rtol, atol relative to max |want|)
+DTYPES = [np.float64, np.float32]
+
+
+@pytest.fixture(scope="session")
+def libraries(tmp_path_factory):
+    """Every module's SOURCE compiled once per session (in parallel) for the emulator."""
+    reason = emulator.unavailable_reason()
+    if reason:
+        pytest.skip(f"CUDA emulation needs g++ with C++20 <barrier>: {reason}")
+    build_dir = tmp_path_factory.mktemp("cuda_emulator")
+    with ThreadPoolExecutor(len(MODULES)) as pool:
+        built = pool.map(lambda m: emulator.build(m.SOURCE, build_dir), MODULES.values())
+        return dict(zip(MODULES, built)), build_dir
+
+
+@pytest.fixture
+def emulate(libraries, monkeypatch):
+    """emulate(name): module kernels/cuda/<name> launching its kernels in the emulator; returns the
+    Emulation (its log lists the launches)."""
+    def patch(name, library=None):
+        module = MODULES[name]
+        emulation = emulator.Emulation(library or libraries[0][name])
+        monkeypatch.setattr(module, "kernel", emulation.kernel)
+        monkeypatch.setattr(module, "get_array_module", lambda *a: emulator.nan_numpy)
+        if name == "attention":
+            monkeypatch.setattr(module, "max_shared_bytes", lambda: emulator.OPTIN_LIMIT)
+        return emulation
+    return patch
+
+
+def compare(kernel_fn, reference_fn, arrays, upstream, dtype, what):
+    """Outputs and input gradients of kernel_fn and reference_fn equal within TOL; prints the largest
+    difference relative to max(1, max |reference|)."""
+    outs_k, grads_k = forward_backward(kernel_fn, arrays, upstream, dtype)
+    outs_r, grads_r = forward_backward(reference_fn, arrays, upstream, dtype)
+    assert len(outs_k) == len(outs_r)
+    worst = 0.0
+    pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs_k, outs_r))]
+    pairs += [(f"gradient {i}", a, b) for i, (a, b) in enumerate(zip(grads_k, grads_r))]
+    for name, a, b in pairs:
+        assert_same(a, b, *TOL[dtype], what=f"{what} {np.dtype(dtype).name}: {name}")
+        if a is not None and a.size:
+            worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())))
+    print(f"{what} {np.dtype(dtype).name}: max scaled difference {worst:.2e}")
+
+
+# ---------------------------------------------------------------- layernorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm(emulate, dtype):
+    run = emulate("layernorm")
+    rng = np.random.default_rng(0)
+    x, gamma, beta = rng.standard_normal((3, 7)) * 2 + 1, rng.standard_normal(7), rng.standard_normal(7)
+    compare(lambda *t: k_layernorm.LayerNorm.apply(*t, 1e-5), lambda *t: norm.LayerNorm.apply(*t, 1e-5),
+            [x, gamma, beta], [rng.standard_normal((3, 7))], dtype, "LayerNorm")
+    assert {name for name, *_ in run.log} >= {f"{k}_{'f64' if dtype == np.float64 else 'f32'}" for k in
+                                              ("layer_norm_forward", "layer_norm_backward_dx",
+                                               "layer_norm_param_grads", "sum_chunks")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layernorm(emulate, dtype):
+    emulate("layernorm")
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7)), rng.standard_normal(7),
+            rng.standard_normal(7)]
+
+    def reference(x, branch, gamma, beta):
+        s = x + branch
+        return s, norm.LayerNorm.apply(s, gamma, beta, 1e-6)
+
+    compare(lambda *t: k_layernorm.AddLayerNorm.apply(*t, 1e-6), reference, data,
+            [rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))], dtype, "AddLayerNorm")
+
+
+# ---------------------------------------------------------------- gelu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["GELU", "GELUTanh"])
+def test_gelu(emulate, kind, dtype):
+    run = emulate("gelu")
+    kernel_op, reference_op = getattr(k_gelu, kind), getattr(activation, kind)
+    rng = np.random.default_rng(2)
+    x, b, gy = rng.standard_normal((3, 7)) * 3, rng.standard_normal(7), rng.standard_normal((3, 7))
+    compare(lambda x: kernel_op.apply(x), lambda x: reference_op.apply(x), [x], [gy], dtype, kind)
+    compare(lambda x, b: kernel_op.apply(x, b), lambda x, b: reference_op.apply(x + b), [x, b], [gy], dtype,
+            f"{kind} with bias")
+    assert len(run.log) == 2 and all(name.startswith(kernel_op._kernel) for name, *_ in run.log), run.log
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _attend(function, heads, return_attention, m=None):
+    """function.apply with heads, no dropout; m: the kernel's num_outputs, or the reference's first m
+    rows of its outputs (the reference has no num_outputs)."""
+    kernel = function is k_attention.MultiHeadAttention
+
+    def fn(*t):
+        extra = {"num_outputs": m} if kernel and m is not None else {}
+        out = function.apply(*t, heads, 0.0, False, return_attention=return_attention, **extra)
+        if m is not None and not kernel:
+            return (out[0][:, :m], out[1][:, :, :m]) if return_attention else out[:, :m]
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention(emulate, dtype):
+    """B=2, N=5, D=16, 2 heads: the output alone, with the attention map, and num_outputs M=2."""
+    run = emulate("attention")
+    rng = np.random.default_rng(3)
+    b, n, d, h = 2, 5, 16, 2
+    s = d ** -0.5
+    data = [rng.standard_normal((b, n, d)), rng.standard_normal((d, 3 * d)) * 2 * s,
+            rng.standard_normal(3 * d) * 0.1, rng.standard_normal((d, d)) * s, rng.standard_normal(d) * 0.1]
+    g_out, g_attn = rng.standard_normal((b, n, d)), rng.standard_normal((b, h, n, n))
+    compare(_attend(k_attention.MultiHeadAttention, h, False), _attend(attention.MultiHeadAttention, h, False),
+            data, [g_out], dtype, "MultiHeadAttention")
+    compare(_attend(k_attention.MultiHeadAttention, h, True), _attend(attention.MultiHeadAttention, h, True),
+            data, [g_out, g_attn], dtype, "MultiHeadAttention return_attention")
+    compare(_attend(k_attention.MultiHeadAttention, h, True, 2), _attend(attention.MultiHeadAttention, h, True, 2),
+            data, [g_out[:, :2], g_attn[:, :, :2]], dtype, "MultiHeadAttention num_outputs=2")
+    names = {name.rsplit("_", 1)[0] for name, *_ in run.log}
+    assert names == set(k_attention.KERNEL_NAMES), names
+
+
+# ---------------------------------------------------------------- loss
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy(emulate, dtype):
+    """Integer labels and probabilities (whose gradient is wanted too), with and without smoothing."""
+    emulation = emulate("loss")
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((2, 3, 10)) * 3
+    labels = rng.integers(0, 10, size=(2, 3))
+    p = rng.random((2, 3, 10))
+    probs = p / p.sum(-1, keepdims=True)
+    for eps in (0.0, 0.1):
+        def run(function, eps=eps):
+            def fn(x, *target):
+                return function.apply(x, target[0] if target else tv.Tensor(labels), eps)
+            return fn
+        compare(run(k_loss.CrossEntropy), run(loss.CrossEntropy), [logits], [2.5], dtype,
+                f"CrossEntropy labels eps={eps}")
+        compare(run(k_loss.CrossEntropy), run(loss.CrossEntropy), [logits, probs], [2.5], dtype,
+                f"CrossEntropy probabilities eps={eps}")
+    launched = [name.rsplit("_", 1)[0] for name, *_ in emulation.log]
+    assert launched == ["cross_entropy_forward", "cross_entropy_backward"] * 4, launched
+
+
+# ---------------------------------------------------------------- optim
+
+SHAPES = [(3, 5), (7,), (2100,), (4,)]          # 2100: two blocks of ELEMENTS_PER_BLOCK, the last ragged
+
+
+def _adamw_steps(dtype, fused):
+    """Two AdamW steps on parameters of SHAPES in two groups, the last parameter without gradient:
+    by kernels/cuda/optim.step (fused) or by the plain loop; host copies of parameters and moments."""
+    rng = np.random.default_rng(5)
+    ps = [nn.Parameter(rng.standard_normal(s).astype(dtype)) for s in SHAPES]
+    opt = optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "weight_decay": 0.0}],
+                      lr=0.01, weight_decay=0.1)
+    for _ in range(2):
+        for p in ps[:-1]:
+            p.grad = rng.standard_normal(p.shape).astype(dtype)
+        if fused:
+            items = [(p, p.grad, opt._state_of(p), group) for group in opt.param_groups
+                     for p in group["params"] if p.grad is not None]
+            k_optim.step(items, opt._update)
+        else:
+            with use_kernels(False):
+                opt.step()
+    states = [opt.state.get(id(p), {}) for p in ps]
+    return [p.data.copy() for p in ps], [{k: np.copy(v) for k, v in s.items()} for s in states]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw_step(emulate, dtype):
+    """The multi-tensor AdamW step equals the plain loop bit for bit (both round each operation once)."""
+    run = emulate("optim")
+    got, got_state = _adamw_steps(dtype, fused=True)
+    want, want_state = _adamw_steps(dtype, fused=False)
+    assert len(run.log) == 2 and run.log[0][1] == (4, 1, 1), run.log
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(a, b, err_msg=f"parameter {i}")
+    for i, (a, b) in enumerate(zip(got_state, want_state)):
+        assert a.keys() == b.keys(), i
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"state {i} {key}")
+    print(f"AdamW {np.dtype(dtype).name}: bit for bit")
+
+
+# ---------------------------------------------------------------- the emulation can fail
+
+
+def test_a_mutated_kernel_fails(libraries, emulate, monkeypatch):
+    """A wrong constant in gelu's SOURCE (tanh GELU's 0.044715 -> 0.04471) fails the comparison."""
+    source = k_gelu.SOURCE.replace("#define TANH_C 0.044715", "#define TANH_C 0.04471")
+    assert source != k_gelu.SOURCE
+    monkeypatch.setattr(k_gelu, "SOURCE", source)
+    emulate("gelu", emulator.build(source, libraries[1]))
+    rng = np.random.default_rng(6)
+    with pytest.raises(AssertionError, match="GELUTanh"):
+        compare(lambda x: k_gelu.GELUTanh.apply(x), lambda x: activation.GELUTanh.apply(x),
+                [rng.standard_normal((3, 7)) * 3], [rng.standard_normal((3, 7))], np.float64, "GELUTanh")
+
+
+def test_a_missing_syncthreads_fails(libraries, emulate, monkeypatch):
+    """Without the __syncthreads after which layer_norm_param_grads's block adds its 8 partial sums
+    per column from shared memory, the threads that add (the first warp, started first) read sums
+    not yet written: dgamma and dbeta come out wrong, where the intact source passes the same case."""
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal((40, 7)), rng.standard_normal(7), rng.standard_normal(7)]
+    upstream = [rng.standard_normal((40, 7))]
+
+    def check(what):
+        compare(lambda *t: k_layernorm.LayerNorm.apply(*t, 1e-5), lambda *t: norm.LayerNorm.apply(*t, 1e-5),
+                data, upstream, np.float64, what)
+
+    emulate("layernorm")
+    check("LayerNorm (40 rows)")
+    source = k_layernorm.SOURCE
+    assert source.count("__syncthreads();") == 1
+    mutated = source.replace("__syncthreads();", "", 1)
+    monkeypatch.setattr(k_layernorm, "SOURCE", mutated)
+    emulate("layernorm", emulator.build(mutated, libraries[1]))
+    with pytest.raises(AssertionError, match="gradient [12]"):
+        check("LayerNorm without __syncthreads")
+
+
+def test_a_wrong_argument_type_is_reported(libraries):
+    """An int parameter given a NumPy int64 (CuPy would pass 8 bytes where the kernel reads 4)."""
+    kernel = emulator.Emulation(libraries[0]["loss"]).kernel(k_loss.SOURCE, "cross_entropy_forward_f64")
+    x = np.zeros((1, 4))
+    row = np.zeros(1)
+    with pytest.raises(AssertionError, match=r"cross_entropy_forward_f64\(k\): int64 for int"):
+        kernel((1,), (32,), (x, np.uintp(0), np.zeros((1, 4)), row, row, row, np.int64(4), np.float64(0.0)))
