@@ -6,6 +6,7 @@ when a GPU is asked for, so the CPU install needs nothing but NumPy.
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 
@@ -156,3 +157,28 @@ def random_uniform(xp, shape, dtype):
     if xp is np:
         return _rng.random(shape, dtype=np.float32 if dtype == np.float32 else np.float64)
     return xp.random.random(shape, dtype=dtype)
+
+
+PRECISIONS = ("fp32", "tf32")
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """Inside the block, CuPy's float32 matrix products run in ``precision``: "fp32" (full float32,
+    CuPy's default) or "tf32" (TensorFloat-32 tensor cores of NVIDIA GPUs from Ampere on: products of
+    10-bit-mantissa inputs summed in float32, several times the float32 rate). The setting before the
+    block comes back after it. NumPy has no TF32: on the CPU only "fp32" is allowed (and changes
+    nothing), and nothing here touches CUDA then. bf16 is not offered: CuPy has no bfloat16 dtype."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32" and _cupy is None:        # CuPy not in use: nothing to set, nothing to undo
+        yield
+        return
+    from cupy._core import _routines_linalg as linalg
+    previous = linalg.get_compute_type(np.float32)
+    wanted = getattr(linalg, "COMPUTE_TYPE_TF32" if precision == "tf32" else "COMPUTE_TYPE_DEFAULT")
+    linalg.set_compute_type(np.float32, wanted)
+    try:
+        yield
+    finally:
+        linalg.set_compute_type(np.float32, previous)

@@ -83,6 +83,7 @@ class TrainConfig:
     flip: bool | None = None
     drop_path: float | None = None
     device: str = "cpu"
+    precision: str = "fp32"                            # "tf32": TF32 tensor-core matmuls (--device cuda)
     seed: int = 0
     out: str | None = None
     resume: bool = False
@@ -119,6 +120,12 @@ class TrainConfig:
         for name in ("erasing", "drop_path", "label_smoothing"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.precision not in backend.PRECISIONS:
+            extra = " (bf16 needs a bfloat16 dtype, which CuPy does not have yet)" if self.precision == "bf16" else ""
+            problems.append(f"--precision must be fp32 or tf32, got {self.precision!r}{extra}")
+        elif self.precision == "tf32" and not str(self.device).startswith("cuda"):
+            problems.append("--precision tf32 needs --device cuda (TF32 is a format of NVIDIA tensor cores; "
+                            "NumPy computes in full float32)")
         if self.randaug:
             try:
                 parse_randaug(self.randaug)
@@ -402,35 +409,36 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     def checkpoint():
         save_training_checkpoint(latest, model, opt, sched, loader, cfg, state, dataset)
 
-    try:
-        while state["epoch"] < cfg.epochs:
-            epoch = state["epoch"] + 1
-            if state["trained"] is None:                     # else only its evaluation is left to do
-                if loader.position == 0:
-                    backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
-                state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
-                                                    progress, latest)
-            test = objective.evaluate(model, test_loader)
-            row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"]}
-            with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see _read_metrics
-                f.write(json.dumps(row) + "\n")
-            history.append(row)
-            state.update(epoch=epoch, partial=None, trained=None)
-            # best = highest test accuracy, ties broken by the lower test loss
-            if (test["acc"], -test["loss"]) > (state["best_acc"], -state.get("best_loss", math.inf)):
-                state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
-                io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
+    with backend.matmul_precision(cfg.precision):            # TF32 matmuls for the whole run, if asked
+        try:
+            while state["epoch"] < cfg.epochs:
+                epoch = state["epoch"] + 1
+                if state["trained"] is None:                     # else only its evaluation is left to do
+                    if loader.position == 0:
+                        backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
+                    state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
+                                                        progress, latest)
+                test = objective.evaluate(model, test_loader)
+                row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"]}
+                with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see _read_metrics
+                    f.write(json.dumps(row) + "\n")
+                history.append(row)
+                state.update(epoch=epoch, partial=None, trained=None)
+                # best = highest test accuracy, ties broken by the lower test loss
+                if (test["acc"], -test["loss"]) > (state["best_acc"], -state.get("best_loss", math.inf)):
+                    state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
+                    io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
+                checkpoint()
+                _plot(history, out / "curves.png")
+                log(f"epoch {epoch}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
+                    f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
+                    f"{row['seconds']:.1f}s")
+                if stop_after_epoch is not None and epoch >= stop_after_epoch:
+                    break
+        except KeyboardInterrupt:
             checkpoint()
-            _plot(history, out / "curves.png")
-            log(f"epoch {epoch}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
-                f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
-                f"{row['seconds']:.1f}s")
-            if stop_after_epoch is not None and epoch >= stop_after_epoch:
-                break
-    except KeyboardInterrupt:
-        checkpoint()
-        log(f"\ninterrupted: saved {latest}; continue with the same command plus --resume")
-        raise
+            log(f"\ninterrupted: saved {latest}; continue with the same command plus --resume")
+            raise
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
 

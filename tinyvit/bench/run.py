@@ -22,7 +22,7 @@ from ..kernels.cpu.threads import get_num_threads, retain_freed_memory
 from ..models import config_for, count_parameters, training_flops
 from . import machine
 from .report import round_ratios, side_report
-from .step import (LR, WEIGHT_DECAY, PeakCupyMemory, PeakHostMemory, build_model, cpu_threads, cupy_tf32,
+from .step import (LR, WEIGHT_DECAY, PeakCupyMemory, PeakHostMemory, build_model, cpu_threads,
                    measure_matmul_peak, passive_torch_threads, synthetic_batch, time_steps, tinyvit_step)
 
 DTYPES = ("float32", "float64")
@@ -99,7 +99,7 @@ def run_benchmark(model: str = "vit-cifar/4", batch_size: int = 128, device: str
     with contextlib.ExitStack() as settings:
         report["blas_threads"] = settings.enter_context(cpu_threads(threads))
         if on_gpu:
-            settings.enter_context(cupy_tf32(tf32))
+            settings.enter_context(backend.matmul_precision("tf32" if tf32 else "fp32"))
         if peak_tflops:
             peak_flops, report["peak_source"] = peak_tflops * 1e12, "given"
         else:

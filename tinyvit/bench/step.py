@@ -101,21 +101,6 @@ def cpu_threads(n: int):
         cpu_pool.set_num_threads(previous)
 
 
-@contextlib.contextmanager
-def cupy_tf32(enabled: bool):
-    """CuPy's float32 matmuls with TF32 tensor cores (enabled) or in full float32, restored after.
-    (Written for CUDA devices of compute capability 8.0 or newer; not exercised on a CPU-only machine.)"""
-    from cupy._core import _routines_linalg as linalg
-    previous = linalg.get_compute_type(np.float32)
-    tf32 = getattr(linalg, "COMPUTE_TYPE_TF32", 7)
-    default = getattr(linalg, "COMPUTE_TYPE_DEFAULT", 1)
-    linalg.set_compute_type(np.float32, tf32 if enabled else default)
-    try:
-        yield
-    finally:
-        linalg.set_compute_type(np.float32, previous)
-
-
 def passive_torch_threads() -> bool:
     """Before PyTorch loads: make its idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE unless
     set), as tinyvit's do, so that neither side's threads spin through the other's timing. Read when

@@ -36,6 +36,7 @@ def cmd_bench(args) -> int:
     if args.record_name is not None and args.record is None:
         raise UsageError("--record-name names the file that --record DIR writes: give --record too")
     args.kernels = kernels_setting(args.kernels)        # None: as the switch is (TINYVIT_KERNELS)
+    args.tf32 = args.tf32 or args.precision == "tf32"
     try:
         report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                                tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
@@ -67,8 +68,10 @@ def register(sub) -> None:
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="ViTConfig override (repeatable)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", "--precision", dest="dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor-core matmuls (cuda, float32; every side)")
+    p.add_argument("--precision", choices=("fp32", "tf32"), default=None,
+                   help="as `tinyvit train --precision`: tf32 is --tf32, fp32 (the default) full float32")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for NumPy's BLAS, tinyvit's element-wise blocks and torch.set_num_threads "
                         "(default: OPENBLAS_NUM_THREADS or OMP_NUM_THREADS if set, else all cores available)")

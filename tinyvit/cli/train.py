@@ -6,12 +6,13 @@ import json
 import sys
 from pathlib import Path
 
+from ..backend import PRECISIONS
 from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
                "warmup_epochs", "optimizer", "momentum", "grad_clip", "label_smoothing", "mixup", "cutmix",
-               "randaug", "erasing", "crop_padding", "flip", "drop_path", "device", "seed", "out", "resume",
+               "randaug", "erasing", "crop_padding", "flip", "drop_path", "device", "precision", "seed", "out", "resume",
                "eval_batch_size", "train_limit", "test_limit")
 
 
@@ -208,6 +209,8 @@ def _add_train_flags(p, skip=()) -> None:
     a("--flip", action=argparse.BooleanOptionalAction, default=None, help="random horizontal flips")
     a("--drop-path", type=float, help="stochastic depth rate")
     a("--device", help="cpu, cuda or cuda:N")
+    a("--precision", choices=PRECISIONS,
+      help="matrix products: fp32 (default) or tf32 (TF32 tensor cores, --device cuda only)")
     a("--seed", type=int)
     a("--out", help="run folder for checkpoints and metrics (default runs/DATASET-MODEL)")
     a("--resume", action="store_true", default=None, help="continue the run in --out from latest.safetensors")
