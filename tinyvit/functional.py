@@ -1,7 +1,8 @@
 """The lowercase functions users call, ``import tinyvit.functional as F``, and the one switchboard
 that decides, per call, whether the reference op (tinyvit/ops/) or its kernel (tinyvit/kernels/)
 computes it: the kernel when kernels are on and one exists for the arrays' module and dtype
-(tinyvit.kernels.kernel_for), the reference otherwise. Both give the same numbers (the tests prove
+(tinyvit.kernels.kernel_for), the reference otherwise: each ops/ function takes ``function=``, the
+Function that computes it, and runs its own reference when that is None. Both give the same numbers (the tests prove
 it); the reference is the one to read beside the paper.
 
 Every function accepts Tensors or raw arrays and returns a Tensor.
@@ -28,20 +29,19 @@ __all__ = [
 def linear(x, w, b=None):
     """y = x @ w + b with w of shape (in_features, out_features), as the paper's x E.
     Reference: ops/basic.py Linear; kernel: kernels/cpu/linear.py."""
-    return basic.linear(x, w, b, function=kernel_for("linear", x, w, b) or basic.Linear)
+    return basic.linear(x, w, b, function=kernel_for("linear", x, w, b))
 
 
 def patch_embed(images, w, b, patch_size):
     """Eq. 1's x_p E: images (B, C, H, W) -> tokens (B, N, D), w: (C*P*P, D), b: (D,) or None.
     Reference: ops/patch.py; kernel: kernels/cpu/linear.py."""
-    return patch.patch_embed(images, w, b, patch_size,
-                             function=kernel_for("patch_embed", images, w, b) or patch.PatchEmbed)
+    return patch.patch_embed(images, w, b, patch_size, function=kernel_for("patch_embed", images, w, b))
 
 
 def layer_norm(x, weight, bias, eps=1e-6):
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias (x: (..., D)).
     Reference: ops/norm.py; kernels: kernels/cpu/layernorm.py, kernels/cuda/layernorm.py."""
-    return norm.layer_norm(x, weight, bias, eps, function=kernel_for("layer_norm", x, weight, bias) or norm.LayerNorm)
+    return norm.layer_norm(x, weight, bias, eps, function=kernel_for("layer_norm", x, weight, bias))
 
 
 def gelu(x, approximate="none"):
@@ -55,8 +55,7 @@ def cross_entropy(logits, target, label_smoothing=0.0):
     """Mean cross-entropy of logits (..., K) against integer labels (...) or probabilities (..., K),
     label smoothing eps mixing the target with the uniform distribution: (1 - eps) t + eps / K.
     Reference: ops/loss.py; kernel: kernels/cuda/loss.py."""
-    return loss.cross_entropy(logits, target, label_smoothing,
-                              function=kernel_for("cross_entropy", logits) or loss.CrossEntropy)
+    return loss.cross_entropy(logits, target, label_smoothing, function=kernel_for("cross_entropy", logits))
 
 
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,

@@ -149,7 +149,8 @@ class Block(nn.Module):
 
     def forward(self, x, return_attention=False):
         """x: (B, N, D) -> (B, N, D) [, the attention weights A: (B, H, N, N)]."""
-        h, attn = self.attn(self.norm1(x), return_attention=True)
+        h = self.attn(self.norm1(x), return_attention=return_attention)
+        h, attn = h if return_attention else (h, None)           # A only when asked (a GPU kernel skips it)
         x = x + self.drop_path(h)                                # Eq. 2: z'_l = MSA(LN(z_{l-1})) + z_{l-1}
         x = x + self.drop_path(self.mlp(self.norm2(x)))          # Eq. 3: z_l = MLP(LN(z'_l)) + z'_l
         return (x, attn) if return_attention else x
@@ -282,8 +283,10 @@ class ViT(nn.Module):
             return fused(tokens, return_attention=return_attention, num_outputs=num_outputs)
         x, attentions = tokens, []
         for block in self.blocks:
-            x, attn = block(x, return_attention=True)
-            attentions.append(attn)
+            x = block(x, return_attention=return_attention)
+            if return_attention:
+                x, attn = x
+                attentions.append(attn)
         x = self.norm(x if num_outputs is None else x[:, :num_outputs])
         return (x, attentions) if return_attention else x
 

@@ -496,7 +496,7 @@ def matmul(a, b):
     return MatMul.apply(a, b)
 
 
-def linear(x, w, b=None, function=Linear):
+def linear(x, w, b=None, function=None):
     """y = x @ w + b with w of shape (in_features, out_features), as the paper's x E.
     function: the Function that computes it, this reference unless tinyvit.functional passes a kernel."""
     require_float("linear", x=x, weight=w, bias=b)
@@ -507,4 +507,4 @@ def linear(x, w, b=None, function=Linear):
                          f"(weight is (in_features, out_features); need input[..., {sw[0] if sw else '?'}])")
     if b is not None and shape_of(b) != (sw[1],):
         raise ValueError(f"linear: bias has shape {shape_of(b)}, expected ({sw[1]},) for weight {sw}")
-    return function.apply(x, w, b)
+    return (function or Linear).apply(x, w, b)

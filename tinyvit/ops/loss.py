@@ -99,7 +99,7 @@ def _as_constant_target(op, target, like, cast_all):
     return target
 
 
-def cross_entropy(logits, target, label_smoothing=0.0, function=CrossEntropy):
+def cross_entropy(logits, target, label_smoothing=0.0, function=None):
     """Mean cross-entropy of ``logits`` (..., K) against integer labels (...) or probabilities (..., K).
 
     label_smoothing eps in [0, 1] mixes the target with the uniform distribution: (1 - eps) t + eps / K.
@@ -140,7 +140,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, function=CrossEntropy):
     else:
         raise ValueError(f"cross_entropy: target of shape {ts} does not fit logits of shape {ls}: expected "
                          f"integer labels of shape {ls[:-1]} or probabilities of shape {ls}")
-    return function.apply(logits, target, eps)
+    return (function or CrossEntropy).apply(logits, target, eps)
 
 
 def mse(pred, target):

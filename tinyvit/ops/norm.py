@@ -127,7 +127,7 @@ def require_eps(op, eps):
     return float(eps)
 
 
-def layer_norm(x, weight, bias, eps=1e-6, function=LayerNorm):
+def layer_norm(x, weight, bias, eps=1e-6, function=None):
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
 
     x: (..., D)  weight, bias: (D,) or None  ->  (..., D). eps=1e-6 as in the paper's code (timm's ViT).
@@ -139,7 +139,7 @@ def layer_norm(x, weight, bias, eps=1e-6, function=LayerNorm):
         raise ValueError("layer_norm: x must have at least one axis (the normalised one), got a scalar")
     require_vector("layer_norm", "weight", weight, sx[-1], f"x's last axis of {sx}")
     require_vector("layer_norm", "bias", bias, sx[-1], f"x's last axis of {sx}")
-    return function.apply(x, weight, bias, require_eps("layer_norm", eps))
+    return (function or LayerNorm).apply(x, weight, bias, require_eps("layer_norm", eps))
 
 
 def group_norm(x, num_groups, weight, bias, eps=1e-5):

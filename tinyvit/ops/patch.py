@@ -52,7 +52,7 @@ class PatchEmbed(Function):
         return dimages, patches.T @ g, g.sum(axis=0)
 
 
-def patch_embed(images, w, b, patch_size, function=PatchEmbed):
+def patch_embed(images, w, b, patch_size, function=None):
     """Split images (B, C, H, W) into P x P patches and embed each: (B, N, D) with N = HW / P^2 (Eq. 1).
 
     w: (C*P*P, D), rows in (C, P, P) order (a conv kernel (D, C, P, P) reshaped to (D, C*P*P) and
@@ -74,4 +74,4 @@ def patch_embed(images, w, b, patch_size, function=PatchEmbed):
                          f"with C={c} channels and patch size P={p}, but w has shape {sw} ({sw[0] if sw else '?'} rows)")
     if b is not None and shape_of(b) != (sw[1],):
         raise ValueError(f"{op}: b must have shape ({sw[1]},) for w of shape {sw}, got {shape_of(b)}")
-    return function.apply(images, w, b, patch_size)
+    return (function or PatchEmbed).apply(images, w, b, patch_size)

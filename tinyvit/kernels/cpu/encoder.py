@@ -33,8 +33,7 @@ def _plain(module, cls) -> bool:
     return type(module) is cls and "forward" not in vars(module)
 
 
-def _standard_block(block) -> bool:
-    from ...models.vit import Block          # here: models import the switchboard, which imports this
+def _standard_block(block, Block) -> bool:
     attn, mlp = block.attn, block.mlp
     return (_plain(block, Block) and _plain(block.norm1, nn.LayerNorm) and _plain(block.norm2, nn.LayerNorm)
             and _plain(attn, nn.MultiHeadAttention) and _plain(attn.qkv, nn.Linear) and _plain(attn.proj, nn.Linear)
@@ -47,7 +46,8 @@ def fused_encoder(tokens, blocks, norm):
     """encode(tokens, return_attention=False, num_outputs=None) for these blocks and final norm, or
     None when they are not the standard ones, or their parameters' dtype is not the tokens' (the
     reference then explains the mismatch)."""
-    if not (len(blocks) and _plain(norm, nn.LayerNorm) and all(_standard_block(b) for b in blocks)):
+    from ...models.vit import Block          # here: models import the switchboard, which imports this
+    if not (len(blocks) and _plain(norm, nn.LayerNorm) and all(_standard_block(b, Block) for b in blocks)):
         return None
     if any(p.dtype != tokens.dtype for module in (*blocks, norm) for p in module.parameters()):
         return None
