@@ -224,12 +224,24 @@ def test_pipeline_state_dict_restores_the_stream():
 
 
 def test_pipeline_same_on_every_device(xp):
-    """The random draws are made on the host, so CPU and GPU give the same batch for a seed."""
+    """The random draws are made on the host, so CPU and GPU give the same batch for a seed; only the
+    noise that random erasing fills its boxes with is drawn by the device (tested below)."""
     images, labels = _batch(np)
-    ref = Augment((0.5,) * 3, (0.25,) * 3, num_classes=10, seed=2, **FULL)(images, labels)
-    got = Augment((0.5,) * 3, (0.25,) * 3, num_classes=10, seed=2, **FULL)(xp.asarray(images), xp.asarray(labels))
+    options = {**FULL, "erasing_p": 0.0}
+    ref = Augment((0.5,) * 3, (0.25,) * 3, num_classes=10, seed=2, **options)(images, labels)
+    got = Augment((0.5,) * 3, (0.25,) * 3, num_classes=10, seed=2, **options)(xp.asarray(images), xp.asarray(labels))
     np.testing.assert_allclose(to_numpy(got[0]), ref[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(to_numpy(got[1]), ref[1], rtol=1e-6)
+
+
+def test_erasing_boxes_same_on_every_device_noise_drawn_there(xp):
+    x = _images(np, b=12, h=16, w=16) + 1.0
+    ref = random_erasing(x, _rng(4), p=0.7)
+    got = to_numpy(random_erasing(xp.asarray(x), _rng(4), p=0.7))
+    np.testing.assert_array_equal(got != x, ref != x)                      # the same boxes
+    noise = got[got != x]
+    assert abs(noise.mean()) < 0.2 and 0.8 < noise.std() < 1.2            # filled with N(0, 1) noise
+    np.testing.assert_array_equal(to_numpy(random_erasing(xp.asarray(x), _rng(4), p=0.7)), got)  # same seed
 
 
 def test_soft_targets_need_num_classes():

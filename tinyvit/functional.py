@@ -51,11 +51,13 @@ def gelu(x, approximate="none"):
     return activation.gelu(x, approximate, function=kernel_for(name, x))
 
 
-def cross_entropy(logits, target, label_smoothing=0.0):
+def cross_entropy(logits, target, label_smoothing=0.0, check_labels=True):
     """Mean cross-entropy of logits (..., K) against integer labels (...) or probabilities (..., K),
     label smoothing eps mixing the target with the uniform distribution: (1 - eps) t + eps / K.
+    check_labels=False skips the labels' range check (a host read on a GPU) for labels checked before.
     Reference: ops/loss.py; kernel: kernels/cuda/loss.py."""
-    return loss.cross_entropy(logits, target, label_smoothing, function=kernel_for("cross_entropy", logits))
+    return loss.cross_entropy(logits, target, label_smoothing, check_labels,
+                              function=kernel_for("cross_entropy", logits))
 
 
 def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,

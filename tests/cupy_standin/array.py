@@ -29,6 +29,16 @@ IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
 
 PY_SCALARS = (int, float, bool, complex)
 
+# Every read of device data by the host (get, item, tolist, and what goes through them: bool(), int(),
+# float(), printing, cupy.asnumpy). On a GPU each one waits for the queue of kernels to drain, so a
+# training step must make none: tests count them (host_reads()).
+_host_reads = [0]
+
+
+def host_reads() -> int:
+    """How many times the host has read device data so far."""
+    return _host_reads[0]
+
 
 def is_scalar(x) -> bool:
     """A Python or NumPy scalar: what CuPy's kernels take as a value (CScalar), nothing else."""
@@ -189,6 +199,7 @@ class ndarray:
         raise TypeError(IMPLICIT)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
+        _host_reads[0] += 1
         if out is not None:
             if not isinstance(out, np.ndarray):
                 raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, not {type(out)}")
@@ -206,9 +217,11 @@ class ndarray:
         self._a[...] = arr
 
     def item(self):
+        _host_reads[0] += 1
         return self._a.item()
 
     def tolist(self):
+        _host_reads[0] += 1
         return self._a.tolist()
 
     def __bool__(self):

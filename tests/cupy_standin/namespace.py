@@ -307,6 +307,22 @@ class Random(Namespace):
         self._gen.shuffle(a._a)
 
 
+class RandomState:
+    """cupy.random.RandomState(seed): a generator of its own (standard_normal and random suffice here)."""
+
+    def __init__(self, seed=None, method=None):
+        self._gen = np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=float):
+        return ndarray._of(np.asarray(self._gen.standard_normal(size, dtype=_float(dtype))))
+
+    def random_sample(self, size=None, dtype=float):
+        return ndarray._of(np.asarray(self._gen.random(size, dtype=_float(dtype))))
+
+
+Random.RandomState = RandomState
+
+
 def _float(dtype):
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):

@@ -2,7 +2,8 @@
 
 Every function takes a batch x: (B, C, H, W) (NumPy or CuPy, ``xp = get_array_module(x)``) and
 an explicit ``numpy.random.Generator``: the random draws are small per-image parameters made on
-the host, so the same seed gives the same result on CPU and GPU. No function loops over images.
+the host, so the same seed gives the same result on CPU and GPU (except random erasing's noise, a
+whole batch of it, which a GPU draws itself). No function loops over images.
 
     normalize(x, mean, std)                       (x - mean) / std per channel
     random_crop(x, rng, padding=4, mode)          pad by 4 (reflect or zero), crop H x W at random
@@ -119,6 +120,8 @@ def cutmix(x, targets, rng: np.random.Generator, alpha: float = 1.0, num_classes
 def random_erasing(x, rng: np.random.Generator, p: float = 0.25, scale=(0.02, 1 / 3), ratio=(0.3, 3.3),
                    value="pixel"):
     """Random Erasing (Zhong et al., 2020): with probability p, blank a random rectangle per image.
+    (The boxes come from ``rng`` on every device; on a GPU the noise that fills them comes from a
+    CuPy generator seeded from ``rng``: other numbers than NumPy's, as reproducible.)
 
     The rectangle covers a fraction ~U(scale) of the image with aspect ratio h/w log-uniform in
     ratio, clipped to the image. value: "pixel" (fill with N(0, 1) noise per pixel, for normalised
@@ -136,8 +139,12 @@ def random_erasing(x, rng: np.random.Generator, p: float = 0.25, scale=(0.02, 1 
     dev = lambda a: xp.asarray(a)[:, None, None, None]                             # noqa: E731
     rows, cols = xp.arange(h)[None, None, :, None], xp.arange(w)[None, None, None, :]
     mask = dev(erase) & (rows >= dev(top)) & (rows < dev(top + eh)) & (cols >= dev(left)) & (cols < dev(left + ew))
-    if value == "pixel":
-        fill = xp.asarray(rng.standard_normal(x.shape, dtype=np.float32), dtype=x.dtype)
+    if value == "pixel" and xp is np:
+        fill = rng.standard_normal(x.shape, dtype=np.float32).astype(x.dtype, copy=False)
+    elif value == "pixel":  # a whole batch of noise is drawn where it is used, by a GPU generator
+        # seeded from rng: reproducible from rng's state, never made on the host and copied
+        device_rng = xp.random.RandomState(int(rng.integers(2**63)))
+        fill = device_rng.standard_normal(x.shape, dtype=np.float32).astype(x.dtype, copy=False)
     else:
         fill = xp.asarray(value, dtype=x.dtype)
     return xp.where(mask, fill, x)                                                 # mask: (B, 1, H, W)

@@ -99,11 +99,15 @@ def _as_constant_target(op, target, like, cast_all):
     return target
 
 
-def cross_entropy(logits, target, label_smoothing=0.0, function=None):
+def cross_entropy(logits, target, label_smoothing=0.0, check_labels=True, function=None):
     """Mean cross-entropy of ``logits`` (..., K) against integer labels (...) or probabilities (..., K).
 
     label_smoothing eps in [0, 1] mixes the target with the uniform distribution: (1 - eps) t + eps / K.
     A probability target that is a Tensor with requires_grad gets a gradient too.
+    check_labels: verify that integer labels lie in [0, K) (an index outside would pick a wrong
+    logit: CuPy wraps indices around). On a GPU that reads two numbers back to the host, which waits
+    for every queued kernel; a caller whose labels are checked already (the trainer: datasets check
+    theirs when loaded) passes False and the step never waits.
     function: the Function that computes it, this reference unless tinyvit.functional passes a kernel."""
     require_float("cross_entropy", logits=logits)
     ls = shape_of(logits)
@@ -126,7 +130,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, function=None):
         if kind not in "iu":
             raise TypeError(f"cross_entropy: class labels must be integers, got dtype {dtype_of(target)}")
         xp = get_array_module(target)
-        lo, hi = (int(v) for v in xp.stack((target.min(), target.max())).tolist())
+        lo, hi = (int(v) for v in xp.stack((target.min(), target.max())).tolist()) if check_labels else (0, 0)
         if lo < 0 or hi >= k:
             raise ValueError(f"cross_entropy: labels must lie in [0, {k}) for logits of shape {ls}, "
                              f"got values from {lo} to {hi}")
