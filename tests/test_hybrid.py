@@ -293,8 +293,8 @@ def test_timm_names_round_trip_and_load(tmp_path, torch):
             "patch_embed.backbone.stages.0.blocks.0.norm3.bias", "patch_embed.proj.weight"} <= set(sd)
     safetensors.numpy.save_file(sd, str(tmp_path / "timm.safetensors"))
 
-    assert io.config_from_timm_state_dict(sd, num_heads=3) == cfg
-    model = io.load_pretrained(tmp_path / "timm.safetensors", num_heads=3)
+    assert io.config_from_timm_state_dict(sd, num_heads=3, pool="token") == cfg
+    model = io.load_pretrained(tmp_path / "timm.safetensors", num_heads=3, pool="token")
     assert type(model) is HybridViT and model.config == cfg
     x = np.random.default_rng(0).standard_normal((2, 3, 16, 16))
     np.testing.assert_allclose(logits(model, x), ref(torch.tensor(x)).detach().numpy(), rtol=1e-10, atol=1e-10)
@@ -368,7 +368,7 @@ def test_finetune_new_head_and_resolution(tmp_path):
     """prepare_finetune: a zero head for the new classes, the backbone and encoder kept, the position
     embeddings interpolated from the 2x2 grid (16 px) to 4x4 (32 px)."""
     from tinyvit.models import resize_pos_embed
-    from tinyvit.train import prepare_finetune
+    from tinyvit.finetune import prepare_finetune
 
     model = build(dtype=np.float32, **BIT)
     tv.save(model, tmp_path / "pre.safetensors")

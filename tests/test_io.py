@@ -239,8 +239,10 @@ def test_timm_round_trip_is_identity(variant):
     back = io.from_timm_state_dict(timm)
     assert_same_state(back, host_state(model))
     assert_same_state(io.to_timm_state_dict(back, in_channels=3), timm)
-    cfg = io.config_from_timm_state_dict(timm, num_heads=2)
+    cfg = io.config_from_timm_state_dict(timm, num_heads=2, pool=model.config.pool)   # neither is in the file
     assert cfg == model.config
+    with pytest.raises(ValueError, match="does not store how the model pools"):
+        io.config_from_timm_state_dict(timm, num_heads=2)
 
 
 def test_to_timm_refuses_what_timm_does_not_have():
@@ -329,7 +331,7 @@ def test_timm_torch_layouts_convert_correctly(torch):
         np.testing.assert_allclose(x @ ours[name + ".weight"] + ours[name + ".bias"], want, rtol=1e-12, err_msg=name)
 
     # The whole model: our ViT on the converted weights equals a timm-style forward in torch.
-    model = io.load_pretrained(sd, num_heads=2)
+    model = io.load_pretrained(sd, num_heads=2, pool="token")
     assert model.config == cfg and model.pos_embed.dtype == np.float64
     want = _timm_forward(torch, sd, torch.from_numpy(images), cfg).numpy()
     np.testing.assert_allclose(logits(model, images), want, rtol=1e-10, atol=1e-10)
@@ -342,7 +344,7 @@ def test_load_pretrained_reads_a_timm_safetensors_file(tmp_path):
     safetensors.numpy.save_file(io.to_timm_state_dict(model), str(path), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="num_heads"):
         io.load_pretrained(path)                    # width 8 is no standard width: heads are unknown
-    loaded = io.load_pretrained(path, num_heads=2)
+    loaded = io.load_pretrained(path, num_heads=2, pool="token")
     assert loaded.config == model.config
     x = make_images(model.config)
     np.testing.assert_array_equal(logits(loaded, x), logits(model, x))

@@ -17,7 +17,8 @@ from tinyvit.data import Augment, load_dataset
 from tinyvit.models import ViT, from_config
 from tinyvit.models.masked import (MaskedConfig, MaskedPatchViT, MaskedPrediction, choose_corruption, corrupt,
                                    downsized_3bit, mean_color_3bit, patch_pixels)
-from tinyvit.train import prepare_finetune, train
+from tinyvit.finetune import prepare_finetune
+from tinyvit.train import train
 
 # image 8, patch 4 (N = 4), C = 3, D = 8, two blocks of two heads
 TINY = dict(image_size=8, patch_size=4, in_channels=3, dim=8, depth=2, num_heads=2, mlp_dim=12)

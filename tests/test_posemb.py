@@ -1,6 +1,6 @@
 """Position embeddings: the fixed 2D sin-cos table, and resizing learned ones to a new patch grid
 (paper section 3.2) against PyTorch's interpolate: bilinear with corners aligned (the official code's
-scipy.ndimage.zoom, order 1) and bicubic with half-pixel centres (timm's resample_abs_pos_embed)."""
+scipy.ndimage.zoom, order 1) and antialiased bicubic (timm's resample_abs_pos_embed)."""
 import numpy as np
 import pytest
 
@@ -17,7 +17,7 @@ def torch_resize(torch, pos, old, new, prefix, mode):
     """The reference: the grid as a (1, D, gh, gw) image through F.interpolate."""
     d = pos.shape[-1]
     grid = torch.tensor(pos[0, prefix:]).reshape(old[0], old[1], d).permute(2, 0, 1)[None]
-    kwargs = dict(align_corners=True) if mode == "bilinear" else dict(align_corners=False)
+    kwargs = dict(align_corners=True) if mode == "bilinear" else dict(align_corners=False, antialias=True)
     out = torch.nn.functional.interpolate(grid, size=tuple(new), mode=mode, **kwargs)
     return out[0].permute(1, 2, 0).reshape(1, new[0] * new[1], d).numpy()
 

@@ -24,7 +24,8 @@ import tinyvit.train
 from tinyvit import io, optim
 from tinyvit.cli import main, read_toml
 from tinyvit.data import Augment, load_dataset
-from tinyvit.train import Classification, TrainConfig, prepare_finetune, train
+from tinyvit.finetune import prepare_finetune
+from tinyvit.train import Classification, TrainConfig, train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
 On a GPU every read of device data by the host (``.item()``, ``float(x)``, ``.get()``, ...) waits for
 all the kernels queued before it, so a step that reads one number runs at the speed of its slowest
 round trip. The stand-in counts those reads (cupy_standin.array.host_reads): a training step must
-make none; the trainer reads its running sums once every ``check_every`` steps, and an evaluation
+make none; the trainer reads its running sums once every ``CHECK_EVERY`` steps, and an evaluation
 once at its end. The data lives on the device for the whole run, so a step gathers its batch there.
 """
 import numpy as np

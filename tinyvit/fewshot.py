@@ -40,8 +40,8 @@ def fit_least_squares(features, labels, num_classes: int, l2: float = 1.0, stand
     x, y = _as_float64(features), np.asarray(backend.to_numpy(labels)).astype(np.int64)
     if x.ndim != 2 or y.shape != (x.shape[0],):
         raise ValueError(f"features must be (n, d) and labels (n,), got {x.shape} and {y.shape}")
-    if l2 < 0 or (l2 == 0 and x.shape[0] <= x.shape[1]):
-        raise ValueError(f"l2 must be > 0 (or >= 0 with more examples than dimensions), got {l2}")
+    if not np.isfinite(l2) or l2 < 0 or (l2 == 0 and x.shape[0] <= x.shape[1]):    # NaN fails no comparison
+        raise ValueError(f"l2 must be a finite number > 0 (or >= 0 with more examples than dimensions), got {l2}")
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes})")
     mu = x.mean(axis=0)

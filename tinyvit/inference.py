@@ -14,14 +14,36 @@ from .autograd import no_grad
 def load_for_inference(path, device="cpu"):
     """(model in eval mode, dataset info {name, classes, mean, std}) from a training checkpoint.
     Checkpoints saved by tinyvit.save without dataset info get generic class names and no
-    normalisation beyond [0, 1] scaling."""
+    normalisation beyond [0, 1] scaling. Raises ValueError for weights that are not all finite or
+    dataset info that cannot normalise the model's images: either would print meaningless numbers."""
     model, _, meta = io.load_checkpoint(path, device=device)
-    if "dataset" in meta:
-        info = json.loads(meta["dataset"])
-    else:
-        k, c = model.config.num_classes, model.config.in_channels
-        info = {"name": None, "classes": [f"class {i}" for i in range(k)], "mean": [0.0] * c, "std": [1.0] * c}
-    return model, info
+    bad = [name for name, value in model.state_dict().items() if not np.isfinite(backend.to_numpy(value)).all()]
+    if bad:
+        raise ValueError(f"{path}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} hold NaN or "
+                         "infinite values (the run diverged); use an earlier checkpoint, such as the run's "
+                         "best.safetensors")
+    k, c = model.config.num_classes, model.config.in_channels
+    if "dataset" not in meta:
+        return model, {"name": None, "classes": [f"class {i}" for i in range(k)], "mean": [0.0] * c, "std": [1.0] * c}
+    return model, _dataset_info(path, meta["dataset"], c, k)
+
+
+def _dataset_info(path, text: str, channels: int, num_classes: int) -> dict:
+    """A checkpoint's dataset metadata (JSON: name, classes, mean, std), checked to normalise the model's
+    ``channels`` and to name its ``num_classes`` classes (a pre-trained encoder has none of its own)."""
+    try:
+        info = json.loads(text)
+        mean, std = (np.asarray(info[key], np.float64) for key in ("mean", "std"))
+        fits = (mean.shape == std.shape == (channels,) and np.isfinite(mean).all() and np.isfinite(std).all()
+                and (std > 0).all() and (not num_classes or len(info["classes"]) == num_classes))
+    except (ValueError, TypeError, KeyError):
+        fits = False
+    if not fits:
+        names = f"{num_classes} class names and " if num_classes else ""
+        raise ValueError(f"{path}: its dataset info does not fit the model (it needs {names}{channels} finite "
+                         "means and positive standard deviations); the file was damaged or edited: use the "
+                         "checkpoint the training run wrote")
+    return info
 
 
 def check_fits(model, dataset) -> None:
@@ -60,18 +82,34 @@ def format_report(matrix: np.ndarray, classes) -> str:
 
 def read_image(path, channels: int, size: int) -> np.ndarray:
     """An image file -> (C, size, size) float32 in [0, 1]: converted to RGB or greyscale as the model
-    expects and resized (bicubic) to its input size."""
+    expects and resized (bicubic) to its input size. 16-bit greyscale is scaled to 8 bits first."""
     from PIL import Image, UnidentifiedImageError
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no image file at {path}")
     try:
         with Image.open(path) as img:
-            img = img.convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
+            img = _eight_bit(img, path).convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
             array = np.asarray(img, dtype=np.float32) / 255.0
     except UnidentifiedImageError:
         raise ValueError(f"{path} is not an image Pillow can read") from None
     return array.transpose(2, 0, 1) if array.ndim == 3 else array[None]
+
+
+def _eight_bit(img, path):
+    """A Pillow image whose conversion to RGB or L keeps its brightness. Pillow opens 16-bit greyscale
+    (PNG, TIFF) as mode "I;16" ("I", 32-bit integers, in older versions) and its convert("L") clips
+    every value above 255 to white: scale 0..65535 to 0..255 instead (v / 257, so 257 k -> k)."""
+    from PIL import Image
+    if img.mode == "F":
+        raise ValueError(f"{path} holds floating-point pixels, which have no fixed range; save it as an 8- or "
+                         "16-bit image")
+    if not img.mode.startswith("I"):
+        return img
+    values = np.asarray(img, dtype=np.int64)
+    if values.min() < 0 or values.max() > 65535:
+        raise ValueError(f"{path} holds {img.mode} pixels outside 0..65535; save it as an 8- or 16-bit image")
+    return Image.fromarray(((values + 128) // 257).astype(np.uint8))
 
 
 def predict_files(model, info, paths, topk: int = 5, device="cpu"):

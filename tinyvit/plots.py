@@ -8,6 +8,7 @@ through tinyvit.backend.to_numpy first.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -184,3 +185,49 @@ def plot_attention_distance(distances, path, reference: float | None = None) -> 
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False,
               ncol=1 if heads <= 16 else 2)
     fig.savefig(path, dpi=DPI)
+
+
+# ---------------------------------------------------------------- training curves
+
+
+def training_curves(history: list, steps: list, path):
+    """The curves of a run -> PNG at ``path`` (written atomically; skipped without matplotlib).
+
+    history: the per-epoch rows of metrics.jsonl (epoch, epochs_trained, test_loss, test_acc, ...);
+    steps: the rows of steps.jsonl, one per logging interval (epoch as a fraction, train_loss and
+    train_acc of that interval, lr). Three panels over epochs: loss and accuracy (training per
+    interval as a line, test per epoch as markers, so one epoch already shows a curve and a point),
+    and the learning rate on its own axis. Drawn on a bare Figure with the Agg canvas, so a
+    notebook's pyplot backend is left alone. Returns the Figure (None without matplotlib)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    fig = Figure(figsize=(13, 4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    at = [row["epoch"] for row in steps]
+    epochs = [row.get("epochs_trained", row["epoch"]) for row in history]      # a last epoch may be short
+    marker = dict(marker="o", markersize=4 if len(epochs) < 50 else 2)
+    for ax, key, scale, title in ((ax_loss, "loss", 1, "loss"), (ax_acc, "acc", 100, "accuracy (%)")):
+        if steps:
+            ax.plot(at, [scale * row[f"train_{key}"] for row in steps], lw=1, alpha=0.8,
+                    label="train (per interval)")
+        if history:
+            ax.plot(epochs, [scale * row[f"test_{key}"] for row in history], **marker, label="test (per epoch)")
+        ax.set(xlabel="epoch", title=title)
+    if steps:
+        ax_lr.plot(at, [row["lr"] for row in steps], color="tab:green")
+    ax_lr.set(xlabel="epoch", title="learning rate")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for ax in (ax_loss, ax_acc, ax_lr):
+        ax.grid(alpha=0.3)
+    for ax in (ax_loss, ax_acc):
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=DPI)
+    os.replace(tmp, path)
+    return fig

@@ -2,9 +2,15 @@
 
     data -> augment -> model -> cross-entropy -> backward -> (clip) -> optimizer -> schedule
 
+A run's length is --epochs, or --time-budget: then a timed trial decides the number of steps
+(budget.py). Either way warmup and cosine decay are laid over exactly the run's steps.
+
 One run writes into its folder (``out``):
-    metrics.jsonl         one JSON object per epoch (epoch, train_loss, train_acc, test_loss, test_acc, lr, seconds)
-    curves.png            the loss and accuracy curves
+    metrics.jsonl         one JSON object per epoch (epoch, train_loss, train_acc, test_loss, test_acc, lr, seconds,
+                          epochs_trained: less than epoch when the plan ends inside it)
+    steps.jsonl           one JSON object per logging interval of 20 steps (step, epoch as a fraction,
+                          train_loss and train_acc over the interval, lr)
+    curves.png            loss, accuracy (per interval and per epoch) and learning rate
     latest.safetensors    model + optimizer + schedule + data order + RNG: everything ``resume`` needs
     best.safetensors      the model with the best test accuracy so far
 Checkpoints are written atomically (temp file + rename; tinyvit.io.save_arrays), so a crash or Ctrl-C
@@ -20,7 +26,6 @@ import contextlib
 import copy
 import json
 import math
-import os
 import signal
 import threading
 import time
@@ -31,10 +36,13 @@ import numpy as np
 
 from . import backend
 from . import functional as F
-from . import io, optim
+from . import budget, io, optim
 from .autograd import no_grad
 from .data import Augment, DataLoader, load_dataset
 from .inference import check_fits
+from .plots import training_curves
+from .run_files import (check_resume, dataset_metadata, last_good, log_interval, read_log,
+                        save_training_checkpoint, unflatten_optimizer)
 
 # Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
 # Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
@@ -91,11 +99,17 @@ class TrainConfig:
     train_limit: int | None = None                     # use only the first N training images
     test_limit: int | None = None
     dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
+    time_budget: float | None = None                   # minutes: the run's length is measured to fit (budget.py)
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled in from the dataset's recipe."""
         if self.dataset not in RECIPES:
             raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(RECIPES)}")
+        if self.time_budget is not None:
+            if self.epochs is not None:
+                raise ValueError("invalid training configuration: pass --epochs or --time-budget, not both "
+                                 "(a time budget sets the number of steps)")
+            budget.parse_duration(self.time_budget)               # a ValueError names the problem
         defaults = dict(model=None, epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1,
                         label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0,
                         flip=False, drop_path=0.0)
@@ -111,15 +125,25 @@ class TrainConfig:
         problems = []
         if self.optimizer not in ("adamw", "adam", "sgd"):
             problems.append(f"--optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
-        for name in ("epochs", "batch_size", "eval_batch_size"):
+        # a limit of 0 would train on nothing, and a negative one would slice images off the end
+        for name in ("epochs", "batch_size", "eval_batch_size", "train_limit", "test_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "warmup_epochs", "mixup", "cutmix", "label_smoothing"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("erasing", "drop_path", "label_smoothing"):
-            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        # argparse's float() reads "nan" and "inf", and every comparison with NaN is False: test first
+        numbers = {name: getattr(self, name) for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "momentum",
+                                                          "grad_clip", "label_smoothing", "mixup", "cutmix",
+                                                          "erasing", "drop_path") if getattr(self, name) is not None}
+        problems += [f"--{name.replace('_', '-')} must be a finite number, got {value}"
+                     for name, value in numbers.items() if not math.isfinite(value)]
+        finite = {name: value for name, value in numbers.items() if math.isfinite(value)}
+        for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "mixup", "cutmix"):
+            if finite.get(name, 0) < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0, got {finite[name]}")
+        if finite.get("grad_clip", 0) < 0:          # a negative norm would turn every step into ascent
+            problems.append(f"--grad-clip must be > 0 (or 0 for no clipping), got {finite['grad_clip']}")
+        for name in ("erasing", "drop_path", "label_smoothing", "momentum"):
+            if not 0 <= finite.get(name, 0) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
         if self.precision not in backend.PRECISIONS:
             extra = " (bf16 needs a bfloat16 dtype, which CuPy does not have yet)" if self.precision == "bf16" else ""
             problems.append(f"--precision must be fp32 or tf32, got {self.precision!r}{extra}")
@@ -243,82 +267,7 @@ def make_transforms(cfg: TrainConfig, dataset):
     return train_tf, Augment(dataset.mean, dataset.std)
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
-def _flatten_optimizer(opt) -> tuple[dict, dict]:
-    """Optimizer state -> (arrays for the file, JSON-able rest)."""
-    sd = opt.state_dict()
-    arrays, scalars = {}, {}
-    for idx, entry in sd["state"].items():
-        for key, value in entry.items():
-            if hasattr(value, "shape") and getattr(value, "ndim", 0) > 0:
-                arrays[f"optimizer.{idx}.{key}"] = value
-            else:
-                scalars.setdefault(str(idx), {})[key] = value.item() if hasattr(value, "item") else value
-    return arrays, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _unflatten_optimizer(arrays: dict, rest: dict) -> dict:
-    state = {int(i): dict(v) for i, v in rest["scalars"].items()}
-    for name, value in arrays.items():
-        if name.startswith("optimizer."):
-            _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = value
-    return {"state": state, "param_groups": rest["param_groups"]}
-
-
-def dataset_metadata(dataset) -> dict:
-    """What predict/eval need to treat new images as the model was trained: classes and normalisation."""
-    return {"dataset": json.dumps({"name": dataset.name, "classes": list(dataset.classes),
-                                   "mean": list(dataset.mean), "std": list(dataset.std)})}
-
-
-def save_training_checkpoint(path, model, opt, sched, loader, cfg, progress: dict, dataset) -> None:
-    """Everything a resume needs, in one atomic safetensors file (also loadable by tinyvit.load)."""
-    arrays, opt_rest = _flatten_optimizer(opt)
-    state = {"optimizer": opt_rest, "scheduler": sched.state_dict(), "loader": loader.state_dict(),
-             "rng": backend.rng().bit_generator.state, "config": asdict(cfg), "progress": progress}
-    io.save(model, path, arrays=arrays,
-            metadata={"training": json.dumps(state, default=_json_default), **dataset_metadata(dataset)})
-
-
-def _json_default(value):
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's metadata")
-
-
 # ---------------------------------------------------------------- the loop
-
-
-def _plot(history, path) -> None:
-    """loss and accuracy curves -> PNG (skipped when matplotlib is missing). Drawn on a bare Figure
-    with the Agg canvas, so a notebook's pyplot backend is left alone."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return
-    epochs = [h["epoch"] for h in history]
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
-    ax1.plot(epochs, [h["train_loss"] for h in history], label="train")
-    ax1.plot(epochs, [h["test_loss"] for h in history], label="test")
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.plot(epochs, [100 * h["train_acc"] for h in history], label="train")
-    ax2.plot(epochs, [100 * h["test_acc"] for h in history], label="test")
-    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
 
 
 def evaluate(model, loader) -> dict:
@@ -368,6 +317,8 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     (default: classification). Returns the final metrics row plus the run folder.
     ``stop_after_epoch`` ends the run early after that epoch, as an interruption would (tests use it
     to check that resuming gives the same weights)."""
+    started = time.perf_counter()                          # a time budget counts from here
+    warmup_from_recipe = cfg.warmup_epochs is None
     cfg = cfg.resolved()
     objective = objective or Classification(cfg.label_smoothing)
     out = run_dir(cfg)
@@ -377,6 +328,8 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
                               "or --out DIR for a new run")
     if cfg.resume and not latest.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {latest} to resume from")
+    if cfg.resume:
+        check_resume(cfg, latest, log)
 
     dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     if cfg.train_limit or cfg.test_limit:
@@ -400,44 +353,57 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     test_loader = DataLoader(*_resident(dataset.test_images, dataset.test_labels, cfg.device), cfg.eval_batch_size,
                              device=cfg.device, transform=eval_tf)
     steps_per_epoch = len(loader)
-    total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
-    sched = optim.LRScheduler(opt, lambda s: optim.warmup_cosine(s, total_steps, warmup_steps, cfg.lr, cfg.min_lr))
+    if resume_from:                          # the plan the run started with (its budget was measured then)
+        plan = budget.Plan(**json.loads(resume_from[2]["training"])["progress"]["plan"])
+    else:
+        plan = _plan_run(cfg, warmup_from_recipe, steps_per_epoch, started, model, objective, loader,
+                         test_loader, log)
+    sched = optim.LRScheduler(opt, lambda s: optim.warmup_cosine(s, plan.total_steps, plan.warmup_steps,
+                                                                cfg.lr, cfg.min_lr))
 
     # progress: epochs done, best test accuracy, the sums of an interrupted epoch ("partial"), and the
     # metrics of an epoch trained but interrupted while being evaluated ("trained").
-    history, state = [], {"epoch": 0, "best_acc": -1.0, "partial": None, "trained": None}
+    history, state = [], {"epoch": 0, "best_acc": -1.0, "partial": None, "trained": None, "plan": plan.as_dict()}
     if cfg.resume:
         model_ckpt, extra, meta = resume_from
         model.load_state_dict(model_ckpt.state_dict())
         saved = json.loads(meta["training"])
-        opt.load_state_dict(_unflatten_optimizer(extra, saved["optimizer"]))
+        opt.load_state_dict(unflatten_optimizer(extra, saved["optimizer"]))
         sched.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["loader"])
         backend.rng().bit_generator.state = saved["rng"]
         state = {**state, **saved["progress"]}
-        history = _read_metrics(out / "metrics.jsonl", state["epoch"])
+        history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"])
+        read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count)
         log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
     out.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:                    # logs left by a run that crashed before its first checkpoint
+        for name in ("metrics.jsonl", "steps.jsonl"):
+            (out / name).unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
         f"({len(dataset.train_images)} train / {len(dataset.test_images)} test images), "
-        f"{cfg.epochs} epochs x {steps_per_epoch} steps on {cfg.device}; writing to {out}")
+        f"{_length(plan, steps_per_epoch)} on {cfg.device}; writing to {out}")
 
     def checkpoint():
         save_training_checkpoint(latest, model, opt, sched, loader, cfg, state, dataset)
 
     with backend.matmul_precision(cfg.precision):            # TF32 matmuls for the whole run, if asked
         try:
-            while state["epoch"] < cfg.epochs:
+            while state["epoch"] < plan.epochs:
                 epoch = state["epoch"] + 1
                 if state["trained"] is None:                     # else only its evaluation is left to do
                     if loader.position == 0:
                         backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
                     state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
-                                                        progress, latest)
+                                                        progress, latest, plan, out / "steps.jsonl")
                 test = objective.evaluate(model, test_loader)
-                row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"]}
-                with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see _read_metrics
+                if not math.isfinite(test["loss"]):       # weights gone bad: neither best nor latest gets them
+                    raise TrainingDiverged(f"the test loss became {test['loss']} after epoch {epoch}; stopping. "
+                                           f"{last_good(latest)}")
+                row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"],
+                       "epochs_trained": round(sched.step_count / steps_per_epoch, 4)}  # < epoch if cut short
+                with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see read_log
                     f.write(json.dumps(row) + "\n")
                 history.append(row)
                 state.update(epoch=epoch, partial=None, trained=None)
@@ -446,8 +412,8 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
                     state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
                     io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
                 checkpoint()
-                _plot(history, out / "curves.png")
-                log(f"epoch {epoch}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
+                training_curves(history, read_log(out / "steps.jsonl"), out / "curves.png")
+                log(f"epoch {epoch}/{plan.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
                     f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
                     f"{row['seconds']:.1f}s")
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
@@ -459,16 +425,61 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
 
-def _read_metrics(path: Path, epochs_done: int) -> list:
-    """The metrics rows of the epochs a checkpoint holds. A row written just before an interruption
-    that the checkpoint missed is dropped from the file: its epoch is evaluated again."""
-    if not path.exists():                               # interrupted in the first epoch
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [row for row in rows if row["epoch"] <= epochs_done]
-    if len(kept) < len(rows):
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-    return kept
+def _length(plan, steps_per_epoch: int) -> str:
+    """ "3 epochs x 468 steps", or for a last epoch cut short "12869 steps (27.50 epochs of 468)"."""
+    if plan.total_steps == plan.epochs * steps_per_epoch:
+        return f"{plan.epochs} epochs x {steps_per_epoch} steps"
+    return f"{plan.total_steps} steps ({plan.total_steps / steps_per_epoch:.2f} epochs of {steps_per_epoch})"
+
+
+def _plan_run(cfg, warmup_from_recipe, steps_per_epoch, started, model, objective, loader, test_loader,
+              log) -> budget.Plan:
+    """The run's steps and warmup: from --epochs, or from --time-budget after timing a few steps and
+    an evaluation on a copy of the model (budget.py)."""
+    if cfg.time_budget is None:
+        total = cfg.epochs * steps_per_epoch
+        warmup, note = budget.warmup_steps_for(cfg.warmup_epochs, steps_per_epoch, total, warmup_from_recipe)
+        if note:
+            log(note)
+        return budget.Plan(total, warmup, cfg.epochs)
+    step_s, epoch_s = _time_run(cfg, model, objective, loader, test_loader)
+    plan, message = budget.plan_for_budget(budget.parse_duration(cfg.time_budget), time.perf_counter() - started,
+                                           step_s, epoch_s, steps_per_epoch, cfg.warmup_epochs, warmup_from_recipe)
+    log(message)
+    return plan
+
+
+def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmup: int = 3) -> tuple:
+    """(seconds per training step, seconds of evaluation and checkpointing per epoch), measured on
+    copies of the model, optimizer and augmentation, so that the run itself is left untouched. The
+    step time is the median of ``steps`` real steps (data, augmentation, update) after ``warmup``."""
+    trial, point = copy.deepcopy(model), copy.deepcopy(backend.rng().bit_generator.state)
+    opt = make_optimizer(cfg, trial)
+    batches = DataLoader(loader.images, loader.labels, loader.batch_size, shuffle=True, seed=cfg.seed + 7,
+                         device=cfg.device, transform=copy.deepcopy(loader.transform))
+    times = []
+    trial.train()
+    for i, (x, y) in enumerate(batches):
+        tick = time.perf_counter()
+        loss, _ = objective.step(trial, x, y)
+        trial.zero_grad()
+        loss.backward()
+        if cfg.grad_clip:
+            optim.clip_grad_norm(trial.parameters(), cfg.grad_clip)
+        opt.step()
+        float(loss.data)                                   # waits for a GPU to finish the step
+        times.append(time.perf_counter() - tick)
+        if i + 1 == warmup + steps:
+            break
+    step_s = float(np.median(times[warmup:] or times))
+    n_test = len(test_loader.images)
+    sample = min(n_test, 2 * test_loader.batch_size)
+    tick = time.perf_counter()
+    objective.evaluate(trial, DataLoader(test_loader.images[:sample], test_loader.labels[:sample],
+                                         test_loader.batch_size, device=cfg.device, transform=test_loader.transform))
+    eval_s = (time.perf_counter() - tick) * n_test / max(sample, 1)
+    backend.rng().bit_generator.state = point           # the trial's dropout draws never happened
+    return step_s, eval_s + budget.EPOCH_OVERHEAD_SECONDS
 
 
 def _resume_point(loader) -> tuple:
@@ -499,16 +510,20 @@ def _ctrl_c_after_block():
         raise KeyboardInterrupt
 
 
-def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest) -> dict:
-    """One pass over the training data (continuing a partial epoch after a resume). The running sums
-    stay on the device, read back once every ``check_every`` steps (no host sync per step).
+def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest, plan,
+                     steps_log: Path) -> dict:
+    """One pass over the training data (continuing a partial epoch after a resume; ending early at
+    the plan's last step). The running sums stay on the device, read back once every
+    ``CHECK_EVERY`` steps (no host sync per step); each read appends the interval's mean loss,
+    accuracy and learning rate to ``steps_log`` (steps.jsonl, the curves' training line).
     Interrupted (Ctrl-C), it leaves the loader and random state as they were after the last complete
     step, and that step's sums in state["partial"]: the checkpoint resumes with the step it lost."""
     model.train()
     done = state.get("partial") or {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
     loss_sum, correct_sum, seen = 0.0, 0.0, 0
-    start, check_every = time.perf_counter(), 20
-    bar = _progress_bar(len(loader), loader.position, f"epoch {epoch}/{cfg.epochs}", progress)
+    start, last = time.perf_counter(), dict(done)          # last: the totals at the previous check
+    steps_here = min(len(loader), plan.total_steps - sched.step_count + loader.position)
+    bar = _progress_bar(steps_here, loader.position, f"epoch {epoch}/{plan.epochs}", progress)
     resume_at = _resume_point(loader)
 
     def totals():
@@ -529,20 +544,22 @@ def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, pr
                 correct_sum = correct_sum + correct
                 seen += len(y)
                 resume_at = _resume_point(loader)
-            if step_in_epoch % check_every == 0 or step_in_epoch == len(loader):
+            last_step = step_in_epoch == steps_here
+            if step_in_epoch % CHECK_EVERY == 0 or last_step:
                 t = totals()
                 mean_loss = t["loss"] / t["seen"]
                 if not math.isfinite(mean_loss):
-                    kept = (f"The last good checkpoint is kept at {latest}: continue from it with --resume and a "
-                            "lower --lr" if latest.exists() else "No checkpoint was saved yet: start again with "
-                            "a lower --lr")
                     raise TrainingDiverged(f"the loss became {mean_loss} at epoch {epoch}, step {step_in_epoch}; "
-                                           f"stopping. {kept} (or --grad-clip 1.0)")
+                                           f"stopping. {last_good(latest)}")
+                log_interval(steps_log, sched, epoch - 1 + step_in_epoch / len(loader), t, last)
+                last = t
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{100 * t['correct'] / t['seen']:.1f}%",
                                     img_s=f"{seen / max(time.perf_counter() - start, 1e-9):.0f}")
             if bar is not None:
                 bar.update(1)
+            if last_step and steps_here < len(loader):       # the plan ends inside this epoch
+                break
     except KeyboardInterrupt:
         _go_back_to(loader, resume_at)  # the step in progress is lost: a resume does it again
         state["partial"] = totals()     # the interrupted epoch's sums go into the checkpoint
@@ -555,6 +572,10 @@ def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, pr
             "lr": float(sched.last_lr), "seconds": t["seconds"]}
 
 
+# The running sums are read back (and a point of the curves written) every this many steps.
+CHECK_EVERY = 20
+
+
 def _progress_bar(total, initial, desc, enabled):
     if not enabled:
         return None
@@ -563,41 +584,6 @@ def _progress_bar(total, initial, desc, enabled):
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True)
-
-
-# ---------------------------------------------------------------- fine-tuning (appendix B.1.1)
-
-# The paper's fine-tuning recipe: SGD with momentum 0.9, no weight decay, gradient clipping at global
-# norm 1, a short warmup then cosine decay; the learning rate from {0.001, 0.003, 0.01, 0.03}.
-FINETUNE_DEFAULTS = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_clip=1.0, lr=0.01,
-                         warmup_epochs=1, epochs=10, label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="",
-                         erasing=0.0, drop_path=0.0)
-
-
-def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
-                     resize_method: str = "bilinear", **overrides):
-    """A model initialised from ``checkpoint`` for fine-tuning: the whole head (pre-logits included)
-    replaced by a zero-initialised linear layer for ``num_classes``, and, for a new ``image_size``,
-    the position embeddings 2D-interpolated to the new patch grid (section 3.2). ``overrides``:
-    config fields that need no new weights, e.g. drop_path=0.1, dropout=0.1."""
-    old_model, _, _ = io.load_checkpoint(checkpoint)
-    if hasattr(old_model, "to_vit"):                   # a pre-trained encoder (e.g. masked patch prediction)
-        old_model = old_model.to_vit()
-    old = old_model.config
-    unknown = sorted(set(overrides) - {f.name for f in fields(old)})
-    if unknown:
-        raise ValueError(f"unknown model settings {unknown}; known: {sorted(f.name for f in fields(old))}")
-    new = replace(old, **{"num_classes": num_classes, "representation_size": None,
-                          "image_size": image_size or old.image_size, **overrides})
-    state = {k: v for k, v in old_model.state_dict().items() if not k.startswith(("head.", "pre_logits."))}
-    state, _ = io.adapt_state_dict(state, replace(old, num_classes=num_classes, representation_size=None), new,
-                                   resize_method)
-    model = type(old_model)(new)                       # its head is zero-initialised
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    leftover = [k for k in list(missing) + list(unexpected) if not k.startswith("head.")]
-    if leftover:
-        raise ValueError(f"{checkpoint}: cannot fine-tune from it, these tensors do not fit: {leftover}")
-    return model.to(dtype=next(iter(old_model.parameters())).dtype)
 
 
 def resize_images(images: np.ndarray, size: int) -> np.ndarray:

@@ -3,10 +3,11 @@ accuracy of a frozen representation, section 4.1)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from . import UsageError, add_kernels_flag
-from .train import _add_train_flags, _dataset_args, _run_training, _train_config, _validated
+from .train import _add_train_flags, _dataset_args, _run_training, _train_config, _validated, positive
 
 # Flags of `tinyvit train` that mean nothing without labels.
 LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix")
@@ -19,6 +20,8 @@ def _number_list(text: str, cast, what: str) -> list:
         raise UsageError(f"{what} must be a comma-separated list of numbers, got {text!r}") from None
     if not values:
         raise UsageError(f"{what} is empty")
+    if not all(math.isfinite(v) for v in values):        # float() reads "nan" and "inf"
+        raise UsageError(f"{what} must be finite numbers, got {text!r}")
     return values
 
 
@@ -48,13 +51,14 @@ def cmd_fewshot(args) -> int:
     l2s = _number_list(args.l2, float, "--l2")
     if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
         raise UsageError("--shots and --seeds must be >= 1 and --l2 > 0")
+    positive(args, "test_limit", "batch_size")
     if (args.checkpoint is None) == (args.random_init is None):
         raise UsageError("give either a CHECKPOINT or --random-init MODEL")
     if args.model_arg and not args.random_init:
         raise UsageError("--model-arg goes with --random-init (a checkpoint's model is what it was trained as)")
     dataset_args = _dataset_args(args.dataset_arg)
     ds = load_data(args.dataset, args.data_dir, dataset_args)
-    if args.test_limit:
+    if args.test_limit is not None:
         ds = ds.subset(None, args.test_limit)
     if args.random_init:
         model, info = _random_model(args, ds), {}

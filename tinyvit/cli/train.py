@@ -13,7 +13,7 @@ from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
                "warmup_epochs", "optimizer", "momentum", "grad_clip", "label_smoothing", "mixup", "cutmix",
                "randaug", "erasing", "crop_padding", "flip", "drop_path", "device", "precision", "seed", "out", "resume",
-               "eval_batch_size", "train_limit", "test_limit")
+               "eval_batch_size", "train_limit", "test_limit", "time_budget")
 
 
 def _train_config(args, defaults=None):
@@ -26,12 +26,30 @@ def _train_config(args, defaults=None):
         value = getattr(args, name, None)
         if value is not None:
             settings[name] = value
+    if isinstance(settings.get("time_budget"), str):         # "30m" in a TOML file
+        settings["time_budget"] = _minutes(settings["time_budget"])
     if getattr(args, "model_arg", None):
         settings["model_args"] = {**settings.get("model_args", {}), **model_args(args.model_arg)}
     try:
         return TrainConfig.from_dict(settings)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+
+
+def _minutes(text) -> float:
+    """--time-budget's argument ("30m", "2h", "90s", "45") in minutes; a usage error otherwise."""
+    from ..budget import parse_duration
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _duration_flag(text) -> float:
+    try:
+        return _minutes(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--time-budget: ")) from None
 
 
 def _validated(cfg):
@@ -55,6 +73,15 @@ def _check_model(cfg) -> None:
     unknown = sorted(set(cfg.model_args) - known)
     if unknown:
         raise UsageError(f"unknown model settings {unknown} (--model-arg or [model]); known: {sorted(known)}")
+
+
+def positive(args, *names) -> None:
+    """Each named integer flag, when given, must be >= 1 (a limit of 0 or -5 would silently use no
+    images or drop some; a batch of 0 never ends)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def _dataset_args(pairs) -> dict:
@@ -87,7 +114,8 @@ def cmd_train(args) -> int:
 
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
-    from ..train import FINETUNE_DEFAULTS, load_data, prepare_finetune
+    from ..finetune import FINETUNE_DEFAULTS, prepare_finetune
+    from ..train import load_data
     cfg = _validated(_train_config(args, defaults=FINETUNE_DEFAULTS))
     if cfg.model:
         raise UsageError("--model: finetune takes its model from CHECKPOINT (--model-arg and --drop-path "
@@ -108,10 +136,11 @@ def cmd_eval(args) -> int:
     from ..data import Augment, DataLoader
     from ..inference import check_fits, confusion_matrix, format_report, load_for_inference
     from ..train import evaluate, load_data
+    positive(args, "limit", "batch_size")
     dataset_args = _dataset_args(args.dataset_arg)
     model, info = load_for_inference(args.checkpoint, device=args.device)
     ds = load_data(args.dataset, args.data_dir, dataset_args)
-    if args.limit:
+    if args.limit is not None:
         ds = ds.subset(None, args.limit)
     check_fits(model, ds)
     loader = DataLoader(ds.test_images, ds.test_labels, args.batch_size, device=args.device,
@@ -192,6 +221,9 @@ def _add_train_flags(p, skip=()) -> None:
     a("--model-arg", action="append", metavar="KEY=VALUE", help="override a ViTConfig field, e.g. dim=64 (repeatable)")
     a("--data-dir", help="where datasets are found or downloaded (default $TINYVIT_DATA or ~/.cache/tinyvit/data)")
     a("--epochs", type=int)
+    a("--time-budget", type=_duration_flag, metavar="DURATION",
+      help="train for this long instead of --epochs (30m, 2h, 1h30m, 90s; training and evaluation "
+           "fit in it: the steps are counted from a timed trial, the schedule laid over them)")
     a("--batch-size", type=int)
     a("--lr", type=float, help="peak learning rate (after warmup)")
     a("--min-lr", type=float)

@@ -2,12 +2,14 @@
 
     save_arrays(path, arrays, metadata)     written atomically (temporary file, fsync, rename)
     load_arrays(path) -> (arrays, metadata)
+    read_header(path) -> ({name: (dtype, shape)}, metadata)    no array read (checks before loading)
 
 Also the small file helpers the other modules share: ``_check_file`` (clear errors for a missing
 path or a directory), ``_sniff`` (a file's kind from its first bytes) and ``_contiguous``.
 """
 from __future__ import annotations
 
+import json
 import os
 import uuid
 import zipfile
@@ -131,7 +133,8 @@ def _sniff(path: str) -> str:
 
 
 def load_arrays(path) -> tuple[dict, dict]:
-    """Read a .safetensors file: ({name: numpy array}, {metadata key: str}).
+    """Read a .safetensors file: ({name: numpy array}, {metadata key: str}). BF16 arrays (NumPy
+    has no bfloat16) come back as float32 of the same values; every other dtype as stored.
 
     Raises FileNotFoundError naming a missing file, and ValueError("... is truncated or corrupted")
     for a file whose header or length is not valid safetensors."""
@@ -139,13 +142,58 @@ def load_arrays(path) -> tuple[dict, dict]:
     _check_file(path)
     st = _safetensors()
     try:
+        with st.safe_open(path, framework="numpy") as f:        # checks the header against the file
+            metadata = dict(f.metadata() or {})
+            names = list(f.keys())
+            bf16 = _read_bfloat16(path, [n for n in names if f.get_slice(n).get_dtype() == "BF16"])
+            arrays = {name: bf16[name] if name in bf16 else f.get_tensor(name) for name in names}
+    except st.SafetensorError as exc:
+        raise _not_safetensors(path, exc) from exc
+    return arrays, metadata
+
+
+def _read_bfloat16(path: str, names) -> dict:
+    """{name: float32 array} for the BF16 arrays ``names`` of a safetensors file safe_open has checked.
+    A bfloat16 is the high half of the float32 of the same value, so its 16 bits shifted into the
+    high half of a uint32 and viewed as float32 are that value, exactly."""
+    if not names:
+        return {}
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")            # the format: u64 header length, JSON, raw data
+        header = json.loads(f.read(size))
+        out = {}
+        for name in names:
+            start, end = header[name]["data_offsets"]
+            f.seek(8 + size + start)
+            bits = np.frombuffer(f.read(end - start), dtype="<u2").reshape(header[name]["shape"])
+            out[name] = (bits.astype(np.uint32) << 16).view(np.float32)
+    return out
+
+
+def read_header(path) -> tuple[dict, dict]:
+    """A .safetensors file's header alone, no array read: ({name: (dtype, shape)}, {metadata key: str}),
+    dtype as the file spells it ("F32", "BF16", "I64", ...).
+
+    safetensors checks the header when it opens the file: every array's bytes must lie inside the
+    file and the arrays must fill it exactly, so the sizes read here are sizes the file really holds
+    (a header that claims more is refused as truncated or corrupted, as ``load_arrays`` does)."""
+    path = os.fspath(path)
+    _check_file(path)
+    st = _safetensors()
+    try:
         with st.safe_open(path, framework="numpy") as f:
             metadata = dict(f.metadata() or {})
-            arrays = {name: f.get_tensor(name) for name in f.keys()}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            specs = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
     except st.SafetensorError as exc:
-        kind = _sniff(path)
-        if kind in ("npz", "pickle"):
-            raise ValueError(f"{path} is a {kind} file, not safetensors; official .npz weights load with "
-                             "tinyvit.io.load_pretrained, and pickles are never loaded") from exc
-        raise ValueError(f"{path} is not a valid safetensors file: it is truncated or corrupted ({exc})") from exc
-    return arrays, metadata
+        raise _not_safetensors(path, exc) from exc
+    return specs, metadata
+
+
+def _not_safetensors(path: str, exc: Exception) -> ValueError:
+    """The error for a file safetensors cannot open, naming what it is instead when we can tell."""
+    kind = _sniff(path)
+    if kind in ("npz", "pickle"):
+        return ValueError(f"{path} is a {kind} file, not safetensors; official .npz weights load with "
+                          "tinyvit.io.load_pretrained, and pickles are never loaded")
+    return ValueError(f"{path} is not a valid safetensors file: it is truncated or corrupted ({exc})")

@@ -8,6 +8,10 @@
 The file's metadata says what it is: FORMAT under "format", the arch, the config as JSON and the
 tinyvit version (RESERVED_METADATA); extra arrays live under EXTRA_PREFIX. Writing is atomic
 (``save_arrays`` in arrays.py).
+
+Loading trusts nothing in the file: before any model is built, the header's arrays are checked
+against the shapes its config implies (``state_shapes``), so a config that describes a huge model
+cannot make us allocate more than the file itself holds.
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import __version__
-from .arrays import load_arrays, save_arrays
+from .arrays import load_arrays, read_header, save_arrays
+from .config import state_shapes
 
 FORMAT = "tinyvit"
 EXTRA_PREFIX = "extra/"   # extra arrays (optimizer state, ...) live under this prefix; "/" never
 #                           appears in a module's dotted parameter names, so they cannot collide.
 RESERVED_METADATA = ("format", "arch", "config", "tinyvit_version")
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names of the dtypes a model's weights may have
 
 
 def save(model, path, arrays: Mapping | None = None, metadata: Mapping | None = None) -> None:
@@ -67,13 +73,44 @@ def _split_checkpoint(path, arrays: dict, metadata: dict):
     return state, extra, user, arch, config
 
 
-def _build(path, arch: str, config: dict):
-    """tinyvit.models.from_config, with errors that name the file."""
+def _model_config(path, arch: str, config: dict):
+    """The config dataclass of the model the file describes (no arrays yet), with errors that name the file."""
     from .. import models
     try:
-        return models.from_config(arch, config)
-    except (ValueError, TypeError) as exc:
+        return models.model_class(arch).config_class.from_dict(dict(config))
+    except (ValueError, TypeError, ArithmeticError) as exc:          # a patch size of 0 divides by zero
         raise ValueError(f"{path}: cannot rebuild the model (arch {arch!r}, config {config}): {exc}") from exc
+
+
+def _check_header_fits(path, config, specs: Mapping) -> None:
+    """Refuse a file whose model arrays are not exactly those its config implies: names, shapes and a
+    floating dtype, read from the header (``specs``: {name: (dtype, shape)}) before anything is built.
+
+    Once they match, the model is as large as the file, whatever its config says. The expected shapes
+    come from a generator, left as soon as the file is shown short, so a config with absurdly many
+    blocks costs no more than the file's own list of names."""
+    seen, problems = set(), []
+    try:
+        for name, shape in state_shapes(config):
+            seen.add(name)
+            if name not in specs:
+                problems.append(f"{name} is missing")
+            elif specs[name][1] != shape:
+                problems.append(f"{name} is {specs[name][1]} in the file but {shape} in its config")
+            if len(problems) == 3 or len(seen) > len(specs):     # more names expected than the file has
+                break
+        else:
+            problems += [f"{name} is not part of that model" for name in sorted(set(specs) - seen)]
+    except TypeError as exc:                                      # e.g. depth "12": range() refuses it
+        raise ValueError(f"{path}: cannot rebuild the model: a size in its config is not a whole number ({exc}); "
+                         "the file is damaged or was edited: use one written by tinyvit.save") from exc
+    problems += [f"{name} is {dtype}, not floating point" for name, (dtype, _) in specs.items()
+                 if dtype not in FLOAT_DTYPES]
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ValueError(f"{path}: its arrays do not fit the model its config describes ({'; '.join(problems[:3])}"
+                         f"{more}); the file is damaged or was edited: use one written by tinyvit.save "
+                         "(foreign weights load with tinyvit.io.load_pretrained)")
 
 
 def _floating_dtype(state: Mapping):
@@ -94,10 +131,17 @@ def load_checkpoint(path, device=None, dtype=None):
     """Load a file written by ``save``: (model in eval mode, extra arrays, extra metadata).
 
     device: "cpu" / "cuda" / "cuda:N" for the model (None: the host). dtype: the model's floating
-    dtype (None: the checkpoint's own). The extra arrays stay on the host as NumPy arrays."""
+    dtype (None: the checkpoint's own). The extra arrays stay on the host as NumPy arrays.
+    Raises ValueError, before building anything, when the file's arrays do not fit the model its
+    config describes."""
+    from ..models import model_class
+    specs, metadata = read_header(path)
+    state_specs, _, _, arch, config = _split_checkpoint(path, specs, metadata)
+    model_config = _model_config(path, arch, config)
+    _check_header_fits(path, model_config, state_specs)
     arrays, metadata = load_arrays(path)
-    state, extra, user, arch, config = _split_checkpoint(path, arrays, metadata)
-    model = _finish(_build(path, arch, config), state, device, dtype)
+    state, extra, user, _, _ = _split_checkpoint(path, arrays, metadata)
+    model = _finish(model_class(arch)(model_config), state, device, dtype)
     return model, extra, user
 
 

@@ -3,6 +3,7 @@
     config_from_state_dict(state, patch_size, in_channels)    our names and layouts
     hybrid_config_from_state_dict(state)                      a hybrid (ResNet + ViT) in our names
     config_from_timm_state_dict(sd), config_from_official_npz(path)   foreign weights
+    state_shapes(config)                     the other way: the (name, shape) of every array a config implies
 
 What the weights do not store (num_heads, the GELU flavour, ...) comes from ``overrides``, or from
 the standard widths and each source's conventions.
@@ -10,6 +11,7 @@ the standard widths and each source's conventions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -19,14 +21,14 @@ from .timm import _hybrid_embed_channels, from_timm_state_dict
 
 
 def _default_heads(dim: int) -> int:
-    """Heads of the standard widths (Table 1 of the paper, DeiT's Ti/S), else head size 64 (timm's)."""
+    """Heads of the standard widths (Table 1 of the paper, DeiT's Ti/S); any other width is refused
+    rather than guessed (weights do not store the head count, and a wrong one loads without error)."""
     from ..models.variants import VIT_SIZES
     known = {d: h for d, _, h, _ in VIT_SIZES.values()}
     if dim in known:
         return known[dim]
-    if dim % 64 == 0:
-        return dim // 64
-    raise ValueError(f"the number of heads of a width-{dim} model is not stored in its weights; pass num_heads=")
+    raise ValueError(f"the number of heads of a width-{dim} model is not stored in its weights, and {dim} is no "
+                     f"standard width ({', '.join(map(str, sorted(known)))}): pass num_heads=")
 
 
 def config_from_state_dict(state: Mapping, patch_size: int, in_channels: int, **overrides):
@@ -119,7 +121,10 @@ def _is_hybrid(state: Mapping) -> bool:
 def config_from_timm_state_dict(sd: Mapping, **overrides):
     """The ViTConfig of a timm ViT state dict (torch layouts), or the HybridConfig of a timm hybrid
     (vit_base_r50_s16_224, ...). timm uses exact GELU and LayerNorm eps 1e-6. Pass num_heads= for
-    widths other than the standard ones."""
+    widths other than the standard ones, and pool= unless told by a timm name (neither is stored:
+    timm.timm_unstored_fields)."""
+    from .timm import timm_unstored_fields
+    overrides.update(timm_unstored_fields(sd, None, overrides.get("num_heads"), overrides.get("pool")))
     if _is_hybrid(sd):
         overrides.setdefault("gelu_approximate", "none")
         return hybrid_config_from_state_dict(from_timm_state_dict(sd, strict=None), **overrides)
@@ -148,3 +153,95 @@ def config_from_official_npz(arrays, **overrides):
     if "conv_root/kernel" in arrays:                          # a hybrid (R50+ViT-B/16, ...)
         return hybrid_config_from_state_dict(from_official_npz(arrays, strict=None), **overrides)
     return config_from_state_dict(from_official_npz(arrays, strict=None), ph, c, **overrides)
+
+
+# ---------------------------------------------------------------- config -> shapes, no arrays
+
+
+def state_shapes(config):
+    """Yield (name, shape) for every array in the state dict of the model ``config`` describes (a
+    ViTConfig, HybridConfig or MaskedConfig), computed from its numbers alone: nothing is allocated.
+
+    Checkpoint loading compares a file's header with these before building the model, so a config
+    that describes a huge model next to small tensors is refused instead of allocated. A generator:
+    the caller stops at the first mismatch, so a config with absurdly many blocks costs nothing."""
+    from ..models.masked import MaskedConfig
+    if isinstance(config, MaskedConfig):      # MaskedPatchViT: the encoder as vit.*, [mask], a head
+        for name, shape in _vit_shapes(config.encoder_config()):
+            yield "vit." + name, shape
+        yield "mask_token", (config.dim,)
+        yield from _linear("head", config.dim, math.prod(config.target_shape))
+        return
+    yield from _vit_shapes(config)
+
+
+def _linear(name: str, fan_in: int, fan_out: int, bias: bool = True):
+    yield f"{name}.weight", (fan_in, fan_out)
+    if bias:
+        yield f"{name}.bias", (fan_out,)
+
+
+def _norm(name: str, dim: int):
+    yield f"{name}.weight", (dim,)
+    yield f"{name}.bias", (dim,)
+
+
+def _vit_shapes(cfg):
+    """ViT's arrays (and HybridViT's, whose patch embedding runs on a ResNet), names as timm's."""
+    from ..models.hybrid import HybridConfig
+    d = cfg.dim
+    if isinstance(cfg, HybridConfig):
+        for name, shape in _resnet_shapes(cfg):
+            yield "patch_embed.backbone." + name, shape
+        yield from _linear("patch_embed.proj", cfg.feature_channels * cfg.patch_size ** 2, d)
+    else:
+        yield from _linear("patch_embed.proj", cfg.in_channels * cfg.patch_size ** 2, d)
+    if cfg.pool == "token":
+        yield "cls_token", (1, 1, d)
+    if cfg.posemb == "learned-1d":
+        yield "pos_embed", (1, cfg.num_prefix_tokens + cfg.num_patches, d)
+    elif cfg.posemb == "learned-2d":
+        yield "pos_embed_row", (cfg.grid_size, d // 2)
+        yield "pos_embed_col", (cfg.grid_size, d // 2)
+    for i in range(cfg.depth):
+        yield from _norm(f"blocks.{i}.norm1", d)
+        yield from _linear(f"blocks.{i}.attn.qkv", d, 3 * d, bias=cfg.qkv_bias)
+        yield from _linear(f"blocks.{i}.attn.proj", d, d)
+        yield from _norm(f"blocks.{i}.norm2", d)
+        yield from _linear(f"blocks.{i}.mlp.fc1", d, cfg.mlp_dim)
+        yield from _linear(f"blocks.{i}.mlp.fc2", cfg.mlp_dim, d)
+    yield from _norm("norm", d)
+    width = d
+    if cfg.representation_size:
+        yield from _linear("pre_logits.fc", d, cfg.representation_size)
+        width = cfg.representation_size
+    if cfg.num_classes:
+        yield from _linear("head", width, cfg.num_classes)
+
+
+def _resnet_shapes(cfg):
+    """The hybrid's ResNet (tinyvit/models/resnet.py): weight-standardised convs (out, in, k, k), no
+    bias, each followed by a GroupNorm; a unit projects its shortcut when its channels or stride change."""
+    from ..models import resnet
+
+    def conv(name, c_in, c_out, k):
+        yield f"{name}.weight", (c_out, c_in, k, k)
+
+    width = resnet.root_width(cfg.resnet_width_factor)
+    yield from conv("stem.conv", cfg.in_channels, width, 7 if cfg.resnet_root == "bit" else 3)
+    yield from _norm("stem.norm", width)
+    channels = width
+    for s, (units, mid) in enumerate(zip(cfg.resnet_layers, resnet.stage_widths(cfg.resnet_layers,
+                                                                                   cfg.resnet_width_factor))):
+        for i in range(units):
+            unit, c_in = f"stages.{s}.blocks.{i}", channels if i == 0 else 4 * mid
+            if c_in != 4 * mid or (i == 0 and s > 0):
+                yield from conv(f"{unit}.downsample.conv", c_in, 4 * mid, 1)
+                yield from _norm(f"{unit}.downsample.norm", 4 * mid)
+            yield from conv(f"{unit}.conv1", c_in, mid, 1)
+            yield from _norm(f"{unit}.norm1", mid)
+            yield from conv(f"{unit}.conv2", mid, mid, 3)
+            yield from _norm(f"{unit}.norm2", mid)
+            yield from conv(f"{unit}.conv3", mid, 4 * mid, 1)
+            yield from _norm(f"{unit}.norm3", 4 * mid)
+        channels = 4 * mid

@@ -1,6 +1,7 @@
 """The official google-research/vision_transformer (vit_jax, Flax) .npz checkpoints.
 
-    read_official_npz(path) -> {flat name: array}    allow_pickle=False, known prefixes removed
+    read_official_npz(path) -> {flat name: array}    allow_pickle=False, known prefixes removed,
+                                                      names and norm shapes as the published files'
     from_official_npz(path) -> our state dict         via the table OFFICIAL_VIT_NAMES
 
 The layout converters (hwio_to_patch_weight, heads_to_qkv_weight, ...) and the generic
@@ -9,6 +10,7 @@ The layout converters (hwio_to_patch_weight, heads_to_qkv_weight, ...) and the g
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from collections.abc import Mapping
 
@@ -111,9 +113,56 @@ OFFICIAL_VIT_NAMES.update({
 # checkpoints store the optimizer's target, big_vision stores "params/".
 OFFICIAL_PREFIXES = ("opt/target/", "params/")
 
+# Flax renamed its auto-named submodules. The pre-Linen flax.nn, which wrote the published files,
+# numbered them across types (the table's LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2,
+# MlpBlock_3); Linen, which the current vit_jax/models_vit.py uses, numbers them per type
+# (LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0). vit_jax/checkpoint.py's
+# load accepts both (flax's convert_pre_linen renames old to new); we rename new to old. Neither
+# naming uses the other's names, so a file says which it is.
+_LINEN_TO_PUBLISHED = {"MultiHeadDotProductAttention_0": "MultiHeadDotProductAttention_1",
+                       "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": "MlpBlock_3"}
+_BLOCK_CHILD = re.compile(r"(Transformer/encoderblock_\d+/)([^/]+)(/.+)")
+
+# A norm's scale or bias: (C,), but flax before 0.3.6 stored GroupNorm's as (1, 1, 1, C), and the
+# published hybrid checkpoints keep that shape (google-research/vision_transformer issue 156; the
+# official loader squeezes them in _fix_groupnorm, timm's flattens them).
+_NORM_PARAM = re.compile(r"(?:.*/)?(?:gn\d+|gn_root|gn_proj|LayerNorm_\d+|encoder_norm)/(?:scale|bias)")
+
+
+def _published_names(arrays: dict) -> dict:
+    """``arrays`` with the encoder blocks' Linen names (current vit_jax) renamed to the published
+    pre-Linen ones of OFFICIAL_VIT_NAMES; a file that mixes the two namings is refused."""
+    children = {name: m for name in arrays if (m := _BLOCK_CHILD.fullmatch(name))}
+    linen = sorted(n for n, m in children.items() if m.group(2) in _LINEN_TO_PUBLISHED)
+    if not linen:
+        return arrays
+    published = sorted(n for n, m in children.items() if m.group(2) in _LINEN_TO_PUBLISHED.values())
+    if published:
+        raise ValueError(f"the checkpoint mixes Flax Linen names ({linen[0]}) with pre-Linen ones ({published[0]}): "
+                         "it is not a file vit_jax wrote")
+    renamed = {}
+    for name, value in arrays.items():
+        m = children.get(name)
+        if m and m.group(2) in _LINEN_TO_PUBLISHED:
+            name = m.group(1) + _LINEN_TO_PUBLISHED[m.group(2)] + m.group(3)
+        renamed[name] = value
+    return renamed
+
+
+def _norm_vector(name: str, array: np.ndarray) -> np.ndarray:
+    """A norm's scale or bias as (C,), from (C,) or older flax's (1, 1, 1, C); other shapes refused."""
+    if array.ndim == 1:
+        return array
+    if array.ndim == 4 and array.shape[:3] == (1, 1, 1):
+        return array.reshape(-1)
+    raise ValueError(f"{name} has shape {array.shape}, but a norm's scale and bias are (C,) or, as older flax "
+                     "saved them, (1, 1, 1, C): the file is damaged or not a vit_jax checkpoint")
+
 
 def read_official_npz(path_or_mapping) -> dict:
-    """The official checkpoint's {flat name: NumPy array}, with any known prefix removed.
+    """The official checkpoint's {flat name: NumPy array} in the form OFFICIAL_VIT_NAMES reads, as
+    vit_jax/checkpoint.py's load normalises a file: any known prefix removed, the current code's
+    Linen block names renamed to the published ones, norm scales and biases (1, 1, 1, C) made (C,).
     Reads .npz files with allow_pickle=False: object arrays (pickles) are refused."""
     if isinstance(path_or_mapping, Mapping):
         arrays = {k: _to_numpy(v) for k, v in path_or_mapping.items()}
@@ -128,8 +177,10 @@ def read_official_npz(path_or_mapping) -> dict:
                              f"pickled objects, which are never loaded): {exc}") from exc
     for prefix in OFFICIAL_PREFIXES:
         if f"{prefix}embedding/kernel" in arrays:
-            return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-    return arrays
+            arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+            break
+    arrays = _published_names(arrays)
+    return {k: _norm_vector(k, v) if _NORM_PARAM.fullmatch(k) else v for k, v in arrays.items()}
 
 
 def convert_by_table(arrays: Mapping, table: Mapping, source: str = "checkpoint", strict: bool = True) -> dict:

@@ -12,12 +12,12 @@ import os
 from collections.abc import Mapping
 
 from .arrays import _check_file, _sniff, load_arrays
-from .checkpoint import FORMAT, _finish, _split_checkpoint
+from .checkpoint import FORMAT, _check_header_fits, _finish, _model_config, _split_checkpoint
 from .config import (_is_hybrid, config_from_official_npz, config_from_state_dict, config_from_timm_state_dict,
                      hybrid_config_from_state_dict)
 from .foreign import _to_numpy
 from .official import from_official_npz, read_official_npz
-from .timm import from_timm_state_dict
+from .timm import from_timm_state_dict, timm_unstored_fields
 
 
 _PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never unpickles files: "
@@ -29,9 +29,13 @@ _PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never
                 "then load the .safetensors file.")
 
 
-def _read_source(source, hints: dict):
+_SAFETENSORS_DTYPE = {"float16": "F16", "float32": "F32", "float64": "F64"}     # as checkpoint's header check names them
+
+
+def _read_source(source, hints: dict, timm_name: str | None = None):
     """(our state dict, arch, the config the checkpoint itself implies) for any source. ``hints``:
-    config fields the weights do not store (num_heads for timm, ...), used while inferring."""
+    config fields the weights do not store (num_heads for timm, ...), used while inferring;
+    ``timm_name``: a timm state dict's model name, which says its heads and pooling."""
     from ..models import ARCHS, model_class
     if isinstance(source, Mapping):
         arrays, metadata, where = dict(source), {}, "state dict"
@@ -48,17 +52,25 @@ def _read_source(source, hints: dict):
         else:
             raise ValueError(f"{where}: not a safetensors or .npz file (or truncated or corrupted)")
 
+    kernel = arrays.get("patch_embed.proj.weight")
+    is_timm = kernel is not None and len(kernel.shape) == 4        # the patch embedding as a torch conv kernel
+    if timm_name is not None and not is_timm:
+        raise ValueError(f"timm_name= is for timm state dicts, and {where} is not one: leave timm_name out")
     if metadata.get("format") == FORMAT:                      # our own checkpoint: the config is in it
         state, _, _, arch, config = _split_checkpoint(where, arrays, metadata)
         if arch not in ARCHS:
             raise ValueError(f"{where}: unknown architecture {arch!r}; known: {sorted(ARCHS)}")
-        return state, arch, model_class(arch).config_class.from_dict(config)
+        model_config = _model_config(where, arch, config)
+        # a config that does not fit the arrays (a crafted file) is refused before a model is built
+        specs = {k: (_SAFETENSORS_DTYPE.get(str(v.dtype), str(v.dtype)), tuple(v.shape)) for k, v in state.items()}
+        _check_header_fits(where, model_config, specs)
+        return state, arch, model_config
     if any(k.endswith("embedding/kernel") for k in arrays):   # the official Flax names
         state = from_official_npz(arrays)
         return state, "hybrid" if _is_hybrid(state) else "vit", config_from_official_npz(arrays, **hints)
-    kernel = arrays.get("patch_embed.proj.weight")
-    if kernel is not None and len(kernel.shape) == 4:         # timm / PyTorch layouts
+    if is_timm:                                               # timm / PyTorch layouts
         arch = "hybrid" if _is_hybrid(arrays) else "vit"
+        hints = {**hints, **timm_unstored_fields(arrays, timm_name, hints.get("num_heads"), hints.get("pool"))}
         return from_timm_state_dict(arrays), arch, config_from_timm_state_dict(arrays, **hints)
     if kernel is not None and len(kernel.shape) == 2 and _is_hybrid(arrays):   # our names, a hybrid
         state = {k: _to_numpy(v) for k, v in arrays.items()}
@@ -110,20 +122,25 @@ _ADAPTABLE = ("num_classes", "representation_size", "image_size")
 
 
 def load_pretrained(source, *, device=None, dtype=None, resize_method: str = "bilinear",
-                    **config_overrides):
+                    timm_name: str | None = None, **config_overrides):
     """Build a ViT from pretrained weights of any supported kind and load them; eval mode.
 
     source: a path to an official .npz (google-research/vision_transformer), a tinyvit .safetensors,
             a timm .safetensors (torch layouts), or a state dict (timm names in torch layouts,
             official flat names, or ours). PyTorch pickles (.pth) are refused with a recipe to convert.
+    timm_name: for timm weights, timm's model name ("vit_base_patch16_224", "deit_small_patch16_224",
+            "vit_base_r50_s16_384", ...), which says what the state dict does not: the heads and the
+            pooling. Without it pass pool= ("token" for timm's global_pool='token', "gap" for 'avg')
+            and, for a width other than timm's standard sizes, num_heads=.
     config_overrides: ViTConfig fields that differ from what the weights imply, typically
             num_classes= (a new zero-initialised head for fine-tuning), image_size= (position
-            embeddings resized), num_heads= (not stored in timm weights), dropout rates.
+            embeddings resized), num_heads= and pool= (not stored in timm weights), dropout rates.
     device, dtype: as for ``load`` (dtype None: the checkpoint's own).
+    resize_method: "bilinear" (the official code) or "bicubic" (timm) for new position-embedding grids.
     """
     from ..models import from_config
     hints = {k: v for k, v in config_overrides.items() if k not in _ADAPTABLE}
-    state, arch, old = _read_source(source, hints)
+    state, arch, old = _read_source(source, hints, timm_name)
     new = dataclasses.replace(old, **config_overrides)
     state, reset = adapt_state_dict(state, old, new, resize_method)
     model = from_config(arch, dataclasses.asdict(new))

@@ -2,9 +2,13 @@
 
     from_timm_state_dict(sd) -> our state dict      (torch tensors or arrays in; torch never imported)
     to_timm_state_dict(state_or_model) -> timm's
+    timm_unstored_fields(sd, timm_name, num_heads, pool) -> {"num_heads", "pool"}
 
 TIMM_VIT_LAYOUTS says, for each of our name templates, how timm stores the tensor; the patch
 embedding's conv kernel converts with conv_to_patch_weight / patch_to_conv_weight.
+
+A timm state dict stores neither the number of heads nor the pooling: they come from the caller
+(num_heads=, pool=) or from a standard timm model name (timm_name=), never from a guess.
 """
 from __future__ import annotations
 
@@ -56,6 +60,21 @@ TIMM_VIT_LAYOUTS = {
     "patch_embed.backbone.stages.{s}.blocks.{b}.downsample.norm.bias": "same",
 }
 
+# timm builds a hybrid without ResNet stages (vit_tiny_r_s16_p8_224: layers=()) from the stem alone
+# (vision_transformer_hybrid._resnetv2 returns create_resnetv2_stem's conv, norm and pool), so the
+# stem's tensors have no "stem." in their names there: timm's name -> ours.
+_TIMM_STEM_ONLY = {f"patch_embed.backbone.{layer}.{p}": f"patch_embed.backbone.stem.{layer}.{p}"
+                   for layer, p in (("conv", "weight"), ("norm", "weight"), ("norm", "bias"))}
+
+# timm's standard ViT sizes (vision_transformer.py, deit.py, vision_transformer_hybrid.py): width and
+# heads. They are the only timm widths whose heads we take without being told.
+TIMM_VIT_SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12), "large": (1024, 16), "huge": (1280, 16)}
+# Their plain names, all with a class token read by the head (timm's default global_pool='token'):
+# vit_base_patch16_224, deit_small_patch16_224, the hybrids vit_base_r50_s16_384, vit_tiny_r_s16_p8_224
+# and their aliases vit_base_resnet50_384; a pretrained tag after a dot is ignored.
+_TIMM_NAME = re.compile(r"(?:vit|deit)_(tiny|small|base|large|huge)_(?:patch\d+|r\d*_s\d+(?:_p\d+)?|resnet50)"
+                        r"_\d+(?:_in21k)?")
+
 _TIMM_HINT = ("timm features without a tinyvit equivalent (fc_norm, reg_token, layer scale 'ls1/ls2', "
               "q/k norms, norm_pre) cannot be imported")
 
@@ -101,9 +120,10 @@ def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
     here) or arrays. Linear weights are transposed, the patch conv kernel flattened. Tensors we have
     no place for raise a ValueError listing them (strict) or are dropped with a warning.
     timm's ``no_embed_class`` models (position embeddings for the patches only, DeiT-III) get a zero
-    row for the class token, which is the same computation in our Eq. 1 order.
+    row for the class token, which is the same computation in our Eq. 1 order. A stem-only hybrid's
+    ``patch_embed.backbone.conv/norm`` become our ``patch_embed.backbone.stem.conv/norm``.
     """
-    state, unknown = _relayout(sd, conv_to_patch_weight)
+    state, unknown = _relayout({_TIMM_STEM_ONLY.get(k, k): v for k, v in sd.items()}, conv_to_patch_weight)
     _report_unknown(unknown, "from_timm_state_dict", strict, _TIMM_HINT)
     pos = state.get("pos_embed")
     if pos is not None and "cls_token" in state and _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
@@ -135,4 +155,46 @@ def to_timm_state_dict(state, in_channels: int | None = None) -> dict:
     if unknown:
         raise ValueError(f"to_timm_state_dict: timm's ViT has no tensors named {', '.join(unknown)} "
                          "(e.g. learned-2d position embeddings)")
+    if not any(name.startswith("patch_embed.backbone.stages.") for name in out):      # timm's stem-only names
+        ours = {v: k for k, v in _TIMM_STEM_ONLY.items()}
+        out = {ours.get(k, k): v for k, v in out.items()}
     return out
+
+
+def timm_unstored_fields(sd: Mapping, timm_name: str | None = None, num_heads: int | None = None,
+                         pool: str | None = None) -> dict:
+    """{"num_heads": H, "pool": "token"|"gap"} of a timm ViT state dict, which stores neither.
+
+    Given values win; missing ones come from ``timm_name`` (a standard timm model name, see
+    _TIMM_NAME, whose width must be the weights'). Without a name, num_heads comes from a standard
+    width's (TIMM_VIT_SIZES) and pool must be given: timm pools with the class token
+    (global_pool='token', our "token") or by averaging (global_pool='avg', our "gap", which has no
+    class token), and the weights are the same either way. Anything else is a one-line ValueError
+    naming the argument to pass."""
+    dim = int(sd["patch_embed.proj.weight"].shape[0])                  # (D, C, P, P)
+    if timm_name is not None:
+        m = _TIMM_NAME.fullmatch(timm_name.split(".")[0])
+        if not m:
+            raise ValueError(f"timm_name={timm_name!r} is not a standard timm ViT name such as "
+                             "'vit_base_patch16_224' or 'vit_base_r50_s16_384': pass num_heads= and pool= instead")
+        width, heads = TIMM_VIT_SIZES[m.group(1)]
+        if width != dim:
+            raise ValueError(f"timm_name={timm_name!r} is {width} wide but the weights are {dim} wide: "
+                             "pass the model's own name, or num_heads= and pool=")
+        num_heads, pool = num_heads or heads, pool or "token"
+    if num_heads is None:
+        standard = {width: heads for width, heads in TIMM_VIT_SIZES.values()}
+        if dim not in standard:
+            raise ValueError(f"a timm state dict does not store the number of heads, and width {dim} is no "
+                             "standard timm size: pass num_heads= (or timm_name=)")
+        num_heads = standard[dim]
+    has_class_token = "cls_token" in sd
+    if pool is None:
+        raise ValueError("a timm state dict does not store how the model pools: pass pool='token' (timm's "
+                         "global_pool='token', its default) or pool='gap' (global_pool='avg'), or timm_name=")
+    if pool == "token" and not has_class_token:
+        raise ValueError("pool='token' but the weights have no cls_token: pass pool='gap' (timm's global_pool='avg')")
+    if pool == "gap" and has_class_token:
+        raise ValueError("the weights have a cls_token, and timm's global_pool='avg' with a class token has no "
+                         "tinyvit equivalent (our 'gap' model has none): only pool='token' loads them")
+    return {"num_heads": num_heads, "pool": pool}

@@ -35,21 +35,21 @@ def _linear_weights(n_in: int, n_out: int) -> np.ndarray:
     return w
 
 
-def _cubic_weights(n_in: int, n_out: int, a: float = -0.75) -> np.ndarray:
-    """(n_out, n_in) matrix of 1-D bicubic interpolation with half-pixel centres (align_corners=False)
-    and clamped borders, Keys' kernel with a = -0.75: torch.nn.functional.interpolate's 'bicubic',
-    which timm uses to resize position embeddings."""
-    def kernel(t):
-        t = np.abs(t)
-        return np.where(t <= 1, ((a + 2) * t - (a + 3)) * t * t + 1,
-                        np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0))
-    src = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
-    base = np.floor(src).astype(int)
-    w = np.zeros((n_out, n_in))
-    for offset in (-1, 0, 1, 2):                    # the four taps of the cubic kernel
-        idx = base + offset
-        np.add.at(w, (np.arange(n_out), np.clip(idx, 0, n_in - 1)), kernel(src - idx))
-    return w
+def _cubic_weights(n_in: int, n_out: int, a: float = -0.5) -> np.ndarray:
+    """(n_out, n_in) matrix of timm's bicubic resize: torch.nn.functional.interpolate(mode="bicubic",
+    align_corners=False, antialias=True), which timm's resample_abs_pos_embed uses to grow and to
+    shrink alike. That is PIL's resampling filter: Keys' cubic kernel with a = -0.5 (interpolate
+    without antialias uses -0.75 and clamps the borders), centred for output i at (i + 1/2) s on the
+    input axis, s = n_in / n_out; when shrinking (s > 1) the kernel is stretched by s, so that every
+    input position under an output one contributes (the antialiasing). Taps outside the grid are
+    dropped and each row is normalised to sum to 1."""
+    scale = n_in / n_out
+    stretch = max(scale, 1.0)                                   # > 1 only when shrinking
+    centres = (np.arange(n_out) + 0.5) * scale                   # output i's centre, in input pixels
+    t = np.abs(np.arange(n_in) + 0.5 - centres[:, None]) / stretch   # (n_out, n_in) distances, kernel units
+    w = np.where(t <= 1, ((a + 2) * t - (a + 3)) * t * t + 1,
+                 np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0))
+    return w / w.sum(axis=1, keepdims=True)
 
 
 def resize_pos_embed(pos_embed, old_grid, new_grid, method: str = "bilinear", num_prefix_tokens: int = 1):
@@ -57,7 +57,9 @@ def resize_pos_embed(pos_embed, old_grid, new_grid, method: str = "bilinear", nu
 
     pos_embed: (1, prefix + gh*gw, D) array; old_grid, new_grid: int or (h, w).
     The class-token entry (the first ``num_prefix_tokens``) is kept; the grid is interpolated
-    bilinearly as the official code (scipy zoom, order 1) or bicubically as timm.
+    bilinearly as the official code (scipy zoom, order 1) or bicubically as timm (PyTorch's
+    antialiased bicubic, also when growing). Both are separable: W_y (new_h, old_h) and W_x
+    (new_w, old_w) give W_y grid W_x^T for each channel.
     Returns (1, prefix + new_h*new_w, D) in the input's dtype. Same grid -> the input unchanged.
     """
     old = (old_grid, old_grid) if isinstance(old_grid, int) else tuple(old_grid)
@@ -74,6 +76,6 @@ def resize_pos_embed(pos_embed, old_grid, new_grid, method: str = "bilinear", nu
     prefix, grid = pos[:, :num_prefix_tokens], pos[0, num_prefix_tokens:].reshape(old[0], old[1], -1)
     wy, wx = weights[method](old[0], new[0]), weights[method](old[1], new[1])
     # Separable: resize along y, then x. (new_h, old_h) x (old_h, old_w, D) -> (new_h, old_w, D) ...
-    resized = np.einsum("ya,xb,abd->yxd", wy, wx, grid.astype(np.float64))
+    resized = np.einsum("ya,xb,abd->yxd", wy, wx, grid.astype(np.float64), optimize=True)
     resized = resized.reshape(1, new[0] * new[1], -1).astype(pos.dtype)
     return np.concatenate([prefix, resized], axis=1)

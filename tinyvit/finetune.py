@@ -1,0 +1,43 @@
+"""Fine-tuning a trained model on a new task (section 3.2, appendix B.1.1): `tinyvit finetune`.
+
+The pre-training head is dropped and a zero-initialised linear layer for the new classes put in
+its place; at a new resolution the position embeddings are interpolated in 2D over the new patch
+grid. Training then runs through tinyvit.train.train with the paper's fine-tuning recipe.
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from . import io
+
+# The paper's fine-tuning recipe: SGD with momentum 0.9, no weight decay, gradient clipping at global
+# norm 1, a short warmup then cosine decay; the learning rate from {0.001, 0.003, 0.01, 0.03}.
+FINETUNE_DEFAULTS = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_clip=1.0, lr=0.01,
+                         warmup_epochs=1, epochs=10, label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="",
+                         erasing=0.0, drop_path=0.0)
+
+
+def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
+                     resize_method: str = "bilinear", **overrides):
+    """A model initialised from ``checkpoint`` for fine-tuning: the whole head (pre-logits included)
+    replaced by a zero-initialised linear layer for ``num_classes``, and, for a new ``image_size``,
+    the position embeddings 2D-interpolated to the new patch grid (section 3.2). ``overrides``:
+    config fields that need no new weights, e.g. drop_path=0.1, dropout=0.1."""
+    old_model, _, _ = io.load_checkpoint(checkpoint)
+    if hasattr(old_model, "to_vit"):                   # a pre-trained encoder (e.g. masked patch prediction)
+        old_model = old_model.to_vit()
+    old = old_model.config
+    unknown = sorted(set(overrides) - {f.name for f in fields(old)})
+    if unknown:
+        raise ValueError(f"unknown model settings {unknown}; known: {sorted(f.name for f in fields(old))}")
+    new = replace(old, **{"num_classes": num_classes, "representation_size": None,
+                          "image_size": image_size or old.image_size, **overrides})
+    state = {k: v for k, v in old_model.state_dict().items() if not k.startswith(("head.", "pre_logits."))}
+    state, _ = io.adapt_state_dict(state, replace(old, num_classes=num_classes, representation_size=None), new,
+                                   resize_method)
+    model = type(old_model)(new)                       # its head is zero-initialised
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    leftover = [k for k in list(missing) + list(unexpected) if not k.startswith("head.")]
+    if leftover:
+        raise ValueError(f"{checkpoint}: cannot fine-tune from it, these tensors do not fit: {leftover}")
+    return model.to(dtype=next(iter(old_model.parameters())).dtype)
