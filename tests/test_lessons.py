@@ -1,4 +1,5 @@
-"""The lessons (lessons/NN_*.ipynb) run top to bottom, and their exercise checks reject wrong answers.
+"""The lessons (lessons/NN_*.ipynb, and NNb_*.ipynb for a lesson added after NN) run top to bottom, and
+their exercise checks reject wrong answers.
 
 Each notebook runs in a fresh Jupyter kernel of this interpreter (ipykernel) with
 TINYVIT_LESSON_SMALL=1 (every lesson shrinks its sizes) and MPLBACKEND=Agg, and any error fails the
@@ -9,6 +10,7 @@ tagged "check" raises AssertionError on a wrong answer. At every exercise the wr
 """
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from jupyter_client.manager import KernelManager  # noqa: E402
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-NOTEBOOKS = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(LESSONS.glob("[0-9][0-9]*_*.ipynb"))   # 08_training, 08b_augmentation..., in reading order
 BEGIN = "# --- your code here (a solution is filled in; replace it to try yourself) ---"
 END = "# --- end of your code ---"
 CELL_TIMEOUT = 300           # seconds per cell; a small-mode cell takes well under one
@@ -92,6 +94,15 @@ def _name(path):
 
 def test_lessons_are_found():
     assert NOTEBOOKS, f"no lessons/NN_*.ipynb under {LESSONS}"
+
+
+def test_lessons_readme_links_every_lesson():
+    """lessons/README.md's table links every notebook, and links no notebook that is not there."""
+    readme = (LESSONS / "README.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([0-9][0-9][^)]*\.ipynb)\)", readme))
+    present = {path.name for path in NOTEBOOKS}
+    assert present <= linked, f"lessons/README.md does not link {sorted(present - linked)}"
+    assert linked <= present, f"lessons/README.md links missing notebooks {sorted(linked - present)}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
