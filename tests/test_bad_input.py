@@ -4,12 +4,15 @@ fix, a non-zero exit status, no traceback and nothing half-written.
 Crafted checkpoints (a config describing a huge model beside tiny arrays, arrays that do not fit,
 NaN weights, a zero std), flags argparse accepts but training must not (NaN, inf, a negative
 gradient clip, a limit of 0), 16-bit images, a test loss that turns NaN, and a resume with
-settings that would make it another run. Tiny models on tiny synthetic data: seconds in all.
+settings that would make it another run. The last section runs them all again, as a table,
+against a finished run and checks that not one file of it changed. Tiny models on tiny synthetic
+data: seconds in all.
 """
 import json
 import time
 import tracemalloc
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,6 +55,13 @@ def one_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, f"expected a one-line error, got:\n{err}"
     return lines[0]
+
+
+def snapshot(folder) -> dict:
+    """{path: (bytes, mtime, mode)} of every file under ``folder``, hidden ones included: equal
+    snapshots mean nothing was written, created, removed or touched."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -411,3 +421,75 @@ def test_resume_from_a_plain_model_file(tmp_path, data_toml, capsys):
     tv.save(tiny_vit(), out / "latest.safetensors")
     code, _, err = cli(capsys, *train_args(data_toml, out, "--resume"))
     assert code == 1 and "no training state" in one_line(err) and "finetune" in err
+
+
+# ---------------------------------------------------------------- all of it again: a finished run stays as it was
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A folder with a finished one-epoch run (run/), the --config files of its data and of other
+    data, an image, a text file and crafted checkpoints: everything the table below points at."""
+    root = tmp_path_factory.mktemp("finished")
+    (root / "data.toml").write_text("[dataset]\n" + "".join(f"{k} = {v}\n" for k, v in DATA.items()))
+    (root / "other.toml").write_text((root / "data.toml").read_text().replace("num_classes = 2", "num_classes = 3"))
+    assert main([str(a) for a in train_args(root / "data.toml", root / "run")]) == 0
+    png(root / "img.png", np.zeros((8, 8, 3), np.uint8))
+    (root / "notes.png").write_text("not an image")
+    small = tiny_vit()
+    craft(root / "huge.safetensors", {**asdict(small.config), "depth": 10_000, "dim": 65_536, "num_heads": 1024,
+                                      "mlp_dim": 262_144}, small.state_dict())
+    small.blocks[0].attn.qkv.weight.data[0, 0] = np.nan
+    tv.save(small, root / "nan.safetensors")
+    info = {"name": "synthetic", "classes": ["a", "b"], "mean": [0.5] * 3, "std": [0.0, 1.0, 1.0]}
+    tv.save(tiny_vit(), root / "zero-std.safetensors", metadata={"dataset": json.dumps(info)})
+    return root
+
+
+TRAIN_RUN = ["train", "--dataset", "synthetic", "--config", "data.toml", *TINY, "--epochs", "1", "--batch-size", "8",
+             "--out", "run"]
+DATA_ARGS = [f"--dataset-arg={k}={v}" for k, v in DATA.items()]
+
+
+@pytest.mark.parametrize("argv, status, words", [
+    ([*TRAIN_RUN, "--resume", "--lr", "nan"], 2, ["--lr", "finite"]),
+    ([*TRAIN_RUN, "--resume", "--grad-clip", "-1"], 2, ["--grad-clip", "> 0"]),
+    ([*TRAIN_RUN, "--resume", "--train-limit", "0"], 2, ["--train-limit", ">= 1"]),
+    ([*TRAIN_RUN, "--resume", "--epochs", "-1"], 2, ["--epochs", ">= 1"]),
+    ([*TRAIN_RUN, "--resume", "--randaug", "two"], 2, ["--randaug", "N,M"]),
+    ([*TRAIN_RUN, "--resume", "--model-arg", "width=64"], 2, ["width", "dim"]),
+    ([*TRAIN_RUN, "--resume", "--time-budget", "3x"], 2, ["--time-budget", "'3x'"]),
+    ([*TRAIN_RUN, "--resume", "--time-budget", "10m"], 2, ["--epochs or --time-budget, not both"]),
+    (TRAIN_RUN, 1, ["already holds a run", "--resume", "--out DIR"]),
+    ([*TRAIN_RUN, "--resume", "--batch-size", "4"], 1, ["--batch-size 4", "(the run's: 8)", "--out DIR"]),
+    ([*TRAIN_RUN, "--resume", "--config", "other.toml"], 1, ["[dataset]", "'num_classes': 3"]),
+    (["finetune", "run/best.safetensors", "--dataset", "synthetic", "--epochs", "0", "--out", "run"], 2,
+     ["--epochs", ">= 1"]),
+    (["eval", "run/best.safetensors", "--dataset", "synthetic", *DATA_ARGS, "--limit", "0"], 2, ["--limit", ">= 1"]),
+    (["eval", "run/best.safetensors", "--dataset", "synthetic", "--dataset-arg=num_classes=3",
+      "--dataset-arg=image_size=8", "--json", "run/eval.json"], 1, ["classes"]),
+    (["predict", "run/best.safetensors", "img.png", "--topk", "0"], 2, ["--topk"]),
+    (["predict", "run/best.safetensors", "missing.png"], 1, ["missing.png"]),
+    (["predict", "run/best.safetensors", "notes.png"], 1, ["notes.png", "not an image"]),
+    (["predict", "huge.safetensors", "img.png"], 1, ["do not fit the model its config describes"]),
+    (["predict", "nan.safetensors", "img.png"], 1, ["blocks.0.attn.qkv.weight", "NaN"]),
+    (["predict", "zero-std.safetensors", "img.png"], 1, ["positive standard deviations"]),
+    (["fewshot", "run/best.safetensors", "--dataset", "synthetic", "--l2", "nan"], 2, ["--l2", "finite"]),
+], ids=["lr-nan", "grad-clip-negative", "train-limit-0", "epochs-negative", "randaug-word", "model-arg-unknown",
+        "time-budget-3x", "time-budget-and-epochs", "run-exists", "resume-other-batch-size", "resume-other-dataset",
+        "finetune-epochs-0", "eval-limit-0", "eval-other-classes", "predict-topk-0", "predict-missing-image",
+        "predict-not-an-image", "predict-crafted-huge", "predict-nan-weights", "predict-zero-std", "fewshot-l2-nan"])
+def test_bad_input_changes_no_file(finished, capsys, monkeypatch, argv, status, words):
+    """Each mistake against a finished run and its checkpoints: the documented exit status, the
+    problem named in one line (after argparse's usage, for the errors argparse reports itself), no
+    traceback, and every file under the folder byte for byte, mtime and mode as it was."""
+    monkeypatch.chdir(finished)
+    before = snapshot(finished)
+    code, _, err = cli(capsys, *argv)
+    assert code == status, err
+    lines = err.strip().splitlines()
+    line = lines[-1] if lines[0].startswith("usage:") else one_line(err)
+    assert "Traceback" not in err and line.startswith(f"tinyvit {argv[0]}: ")
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    assert snapshot(finished) == before

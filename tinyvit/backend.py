@@ -168,7 +168,9 @@ def matmul_precision(precision: str):
     CuPy's default) or "tf32" (TensorFloat-32 tensor cores of NVIDIA GPUs from Ampere on: products of
     10-bit-mantissa inputs summed in float32, several times the float32 rate). The setting before the
     block comes back after it. NumPy has no TF32: on the CPU only "fp32" is allowed (and changes
-    nothing), and nothing here touches CUDA then. bf16 is not offered: CuPy has no bfloat16 dtype."""
+    nothing), and nothing here touches CUDA then. bf16 is not offered yet: CuPy (14) has no bfloat16
+    dtype, and its COMPUTE_TYPE_BF16 leaves float32 products in full float32 (its cuBLAS call maps it
+    to CUBLAS_COMPUTE_32F), so bf16 needs cuBLAS called directly, which only a GPU can check."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp32" and _cupy is None:        # CuPy not in use: nothing to set, nothing to undo

@@ -3,16 +3,95 @@
     latest.safetensors    the model with the optimizer, schedule, data order and random state in one
                           atomic file (save_training_checkpoint): everything a resume needs
     metrics.jsonl         one row per epoch           steps.jsonl    one row per logging interval
+    .lock                 held by the run using the folder (RunFolderLock); holds its pid
 
-and the check that a resume continues the same run (check_resume).
+and the checks that a run may start there (check_run_folder) and that a resume continues the same
+run (check_resume).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from . import backend, io
+
+try:
+    import fcntl
+except ImportError:                   # Windows: no flock, so there a run folder is not locked
+    fcntl = None
+
+
+class RunFolderInUse(RuntimeError):
+    """Another process holds the run folder's lock."""
+
+
+class RunFolderLock:
+    """The lock a run holds on its folder from start to end, so that two runs never interleave their
+    files: an exclusive, non-blocking ``flock`` on FOLDER/.lock. A second run fails at once
+    (RunFolderInUse, naming the holder's pid, which the file records). The OS drops the lock when
+    the process ends, however it ends: a crash or kill -9 leaves no stale lock.
+
+    The lock file stays between runs (removing it would let a run that opened it a moment before
+    lock a file no longer there), except in a folder this start created and left empty: a run that
+    failed before writing anything leaves no trace (and a run that locked that removed file notices
+    and locks the new one)."""
+    NAME = ".lock"
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / self.NAME
+        self.made_folder = False
+        self._fd = None
+
+    def __enter__(self) -> RunFolderLock:
+        self.made_folder = not self.folder.exists()
+        while self._fd is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                raise RunFolderInUse(f"{self.folder} is in use by another run{f' (pid {holder})' if holder else ''}; "
+                                     "wait for it to end, or give this run another folder with --out DIR") from None
+            if _is_open_file(fd, self.path):
+                self._fd = fd
+            else:                                         # removed by a failed start before we held it: again
+                os.close(fd)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error_type is not None and self.made_folder and os.listdir(self.folder) == [self.NAME]:
+            self.path.unlink()
+            self.folder.rmdir()
+        os.close(self._fd)                                # releases the lock
+        self._fd = None
+
+
+def _is_open_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def check_run_folder(cfg, latest: Path) -> None:
+    """A new run needs a folder without a checkpoint; a resume needs one (reads nothing but whether
+    ``latest`` exists: refused, a run changes nothing)."""
+    if latest.exists() and not cfg.resume:
+        raise FileExistsError(f"{latest.parent} already holds a run ({latest.name}); pass --resume to continue it, "
+                              "or --out DIR for a new run")
+    if cfg.resume and not latest.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {latest} to resume from; start the run again without "
+                                "--resume (a run stopped before its first checkpoint starts from scratch)")
+
 
 def flatten_optimizer(opt) -> tuple[dict, dict]:
     """Optimizer state -> (arrays for the file, JSON-able rest)."""

@@ -13,9 +13,12 @@ One run writes into its folder (``out``):
     curves.png            loss, accuracy (per interval and per epoch) and learning rate
     latest.safetensors    model + optimizer + schedule + data order + RNG: everything ``resume`` needs
     best.safetensors      the model with the best test accuracy so far
+    .lock                 held by the run for as long as it runs: a second run on the folder fails at once
 Checkpoints are written atomically (temp file + rename; tinyvit.io.save_arrays), so a crash or Ctrl-C
-never leaves a torn file. Ctrl-C saves latest.safetensors as of the last complete step (the step in
-progress is done again after resuming; an optimizer update is never half applied). Resuming restores
+never leaves a torn file (and the next run removes the temporary file a killed write left). Ctrl-C
+saves latest.safetensors as of the last complete step (the step in progress is done again after
+resuming; an optimizer update is never half applied), and so do SIGTERM and SIGHUP, the way a
+scheduler or a closed terminal stops a job (``Stopped``). Resuming restores
 the exact data order and random state, so a run stopped (after an epoch, or by Ctrl-C anywhere) and
 resumed ends with the same weights as one that never stopped (on the CPU; on a GPU CuPy's generator
 is re-seeded at each epoch, so runs resumed mid-epoch may differ slightly).
@@ -26,6 +29,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -40,9 +44,10 @@ from . import budget, io, optim
 from .autograd import no_grad
 from .data import Augment, DataLoader, load_dataset
 from .inference import check_fits
+from .io.arrays import leftover_temporary_files
 from .plots import training_curves
-from .run_files import (check_resume, dataset_metadata, last_good, log_interval, read_log,
-                        save_training_checkpoint, unflatten_optimizer)
+from .run_files import (RunFolderLock, check_resume, check_run_folder, dataset_metadata, last_good, log_interval,
+                        read_log, save_training_checkpoint, unflatten_optimizer)
 
 # Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
 # Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
@@ -145,7 +150,8 @@ class TrainConfig:
             if not 0 <= finite.get(name, 0) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
         if self.precision not in backend.PRECISIONS:
-            extra = " (bf16 needs a bfloat16 dtype, which CuPy does not have yet)" if self.precision == "bf16" else ""
+            extra = (" (bf16 is not supported yet: CuPy has no bfloat16 dtype; use tf32 on a GPU)"
+                     if self.precision == "bf16" else "")
             problems.append(f"--precision must be fp32 or tf32, got {self.precision!r}{extra}")
         elif self.precision == "tf32" and not str(self.device).startswith("cuda"):
             problems.append("--precision tf32 needs --device cuda (TF32 is a format of NVIDIA tensor cores; "
@@ -316,20 +322,29 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     """Train (or, given ``model``, fine-tune) as ``cfg`` says, minimising ``objective``
     (default: classification). Returns the final metrics row plus the run folder.
     ``stop_after_epoch`` ends the run early after that epoch, as an interruption would (tests use it
-    to check that resuming gives the same weights)."""
+    to check that resuming gives the same weights).
+
+    For the whole call the run folder is locked (run_files.RunFolderLock) and SIGTERM and SIGHUP
+    raise ``Stopped``, a KeyboardInterrupt: the run saves and stops as on Ctrl-C."""
+    with contextlib.ExitStack() as held, _stop_signals_interrupt():     # held: released however train ends
+        return _train(cfg, model, objective, progress, stop_after_epoch, log, held)
+
+
+def _train(cfg, model, objective, progress, stop_after_epoch, log, held: contextlib.ExitStack) -> dict:
+    """train() itself; ``held`` keeps the run folder's lock until train() ends."""
     started = time.perf_counter()                          # a time budget counts from here
     warmup_from_recipe = cfg.warmup_epochs is None
     cfg = cfg.resolved()
     objective = objective or Classification(cfg.label_smoothing)
     out = run_dir(cfg)
     latest, best_path = out / "latest.safetensors", out / "best.safetensors"
-    if latest.exists() and not cfg.resume:
-        raise FileExistsError(f"{out} already holds a run ({latest.name}); pass --resume to continue it, "
-                              "or --out DIR for a new run")
-    if cfg.resume and not latest.exists():
-        raise FileNotFoundError(f"--resume: no checkpoint at {latest} to resume from")
+    check_run_folder(cfg, latest)                          # a refused run touches nothing, not even the lock
     if cfg.resume:
         check_resume(cfg, latest, log)
+    held.enter_context(RunFolderLock(out))
+    check_run_folder(cfg, latest)                          # again: another run may have ended in between
+    for path in leftover_temporary_files(out):             # a killed write's, now that no write can be under way
+        os.remove(path)
 
     dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     if cfg.train_limit or cfg.test_limit:
@@ -376,9 +391,8 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
         history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"])
         read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count)
         log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
-    out.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:                    # logs left by a run that crashed before its first checkpoint
-        for name in ("metrics.jsonl", "steps.jsonl"):
+    if not cfg.resume:                    # what a run that crashed before its first checkpoint left
+        for name in ("metrics.jsonl", "steps.jsonl", "best.safetensors"):
             (out / name).unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
@@ -406,11 +420,13 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
                 with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see read_log
                     f.write(json.dumps(row) + "\n")
                 history.append(row)
-                state.update(epoch=epoch, partial=None, trained=None)
-                # best = highest test accuracy, ties broken by the lower test loss
+                # best = highest test accuracy, ties broken by the lower test loss. Recorded once the file is
+                # in place, and before the epoch counts as done: stopped in between, the checkpoint holds the
+                # old best and this epoch still to evaluate, and the resumed run saves this best again.
                 if (test["acc"], -test["loss"]) > (state["best_acc"], -state.get("best_loss", math.inf)):
-                    state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
                     io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
+                    state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
+                state.update(epoch=epoch, partial=None, trained=None)
                 checkpoint()
                 training_curves(history, read_log(out / "steps.jsonl"), out / "curves.png")
                 log(f"epoch {epoch}/{plan.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
@@ -418,9 +434,10 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
                     f"{row['seconds']:.1f}s")
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
             checkpoint()
-            log(f"\ninterrupted: saved {latest}; continue with the same command plus --resume")
+            why = f"stopped by {stop}" if isinstance(stop, Stopped) else "interrupted"
+            log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
             raise
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
@@ -492,22 +509,62 @@ def _go_back_to(loader, point) -> None:
     backend.rng().bit_generator.state = copy.deepcopy(point[1])
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (how a scheduler stops a job, how a closed terminal ends it) during train():
+    handled as Ctrl-C is, so the epoch in progress is saved, not lost. The CLI exits with the status
+    a shell gives a process the signal ended: 128 + ``signum`` (143 for SIGTERM, 129 for SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+# The signals train() turns into Stopped (SIGHUP does not exist on Windows).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 @contextlib.contextmanager
-def _ctrl_c_after_block():
-    """Hold a Ctrl-C back until the block has run, so an update is applied whole or not at all
-    (in the main thread, over Python's own SIGINT handler; elsewhere it changes nothing)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+def _stop_signals_interrupt():
+    """SIGTERM and SIGHUP raise Stopped during the block, in the main thread, where they would kill the
+    process (their default action); an ignored one (nohup ignores SIGHUP) or a caller's own handler
+    is left alone, and the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    pressed = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
+    replaced = [s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_DFL]
+    try:                                  # (a signal arriving while they are installed still gets them restored)
+        for s in replaced:
+            signal.signal(s, _raise_stopped)
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
-        raise KeyboardInterrupt
+        for s in replaced:
+            signal.signal(s, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_block():
+    """Hold Ctrl-C (and SIGTERM and SIGHUP, while they raise Stopped) back until the block has run, so
+    an update is applied whole or not at all (in the main thread, over the handlers that raise;
+    elsewhere it changes nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raising = {s: handler for s in (signal.SIGINT, *STOP_SIGNALS)
+               if (handler := signal.getsignal(s)) in (signal.default_int_handler, _raise_stopped)}
+    pending = []
+    try:
+        for s in raising:
+            signal.signal(s, lambda signum, frame: pending.append(signum))
+        yield
+    finally:
+        for s, handler in raising.items():
+            signal.signal(s, handler)
+    if pending:
+        raising[pending[0]](pending[0], None)                # raise what the first signal would have raised
 
 
 def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest, plan,

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         return args.func(args)
     except UsageError as exc:
         parser.exit(2, f"tinyvit {args.command}: error: {exc}\n")
-    except (DataError, FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (DataError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as exc:
         print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -90,14 +91,18 @@ def _dataset_args(pairs) -> dict:
 
 
 def _run_training(cfg, model=None, objective=None) -> int:
+    """Run train() and turn how it ended into an exit status: 0 done; 1 diverged or the run folder in
+    use by another run; 128 + the signal's number when stopped: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+    (what a shell reports for a process the signal ended; the checkpoint is saved either way)."""
     from ..kernels.cpu.threads import retain_freed_memory
+    from ..run_files import RunFolderInUse
     from ..train import TrainingDiverged, train
     retain_freed_memory()             # the same large arrays every step: keep their memory mapped
     try:
         result = train(cfg, model=model, objective=objective)
-    except KeyboardInterrupt:
-        return 130
-    except TrainingDiverged as exc:
+    except KeyboardInterrupt as stop:                      # train.Stopped carries SIGTERM's or SIGHUP's number
+        return 128 + getattr(stop, "signum", signal.SIGINT)
+    except (TrainingDiverged, RunFolderInUse) as exc:
         print(f"tinyvit: {exc}", file=sys.stderr)
         return 1
     print(f"done: best test accuracy {100 * result['best_acc']:.2f}%, final {100 * result.get('test_acc', 0):.2f}%; "

@@ -1,16 +1,19 @@
 """Any {name: array} to and from one .safetensors file: the bottom layer of tinyvit.io.
 
     save_arrays(path, arrays, metadata)     written atomically (temporary file, fsync, rename)
+    leftover_temporary_files(directory)     what a killed save_arrays left there (its owner removes them)
     load_arrays(path) -> (arrays, metadata)
     read_header(path) -> ({name: (dtype, shape)}, metadata)    no array read (checks before loading)
 
 Also the small file helpers the other modules share: ``_check_file`` (clear errors for a missing
-path or a directory), ``_sniff`` (a file's kind from its first bytes) and ``_contiguous``.
+path, a directory or an unreadable file), ``_sniff`` (a file's kind from its first bytes) and
+``_contiguous``.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -89,9 +92,11 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save {path}: the directory {directory} does not exist")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
-    open(tmp, "xb").close()                  # claim a fresh name (normal permissions, never clobbers)
+    open(tmp, "xb").close()                  # claim a fresh name (never clobbers) with the usual mode
+    mode = os.stat(tmp).st_mode & 0o777      # 0o666 & ~umask, as open() gives every file
     try:
         _write_safetensors(tmp, host, metadata)
+        os.chmod(tmp, mode)                  # safetensors renames its own 0600 temporary file onto ours
         with open(tmp, "rb+") as f:          # the bytes are on disk before the rename makes them visible
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -104,11 +109,30 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
     _fsync_directory(directory)
 
 
+# The temporary files of a save_arrays killed mid-write (its ``except`` never ran, so they stayed):
+# its own ".NAME.<12 hex digits>.tmp", and the ".tmp<6 letters or digits>" that safetensors (Rust's
+# tempfile crate) writes before renaming it onto ours.
+TEMPORARY_NAME = re.compile(r"\..+\.[0-9a-f]{12}\.tmp|\.tmp[A-Za-z0-9]{6}")
+
+
+def leftover_temporary_files(directory) -> list[str]:
+    """The paths of the temporary files killed writes left in ``directory`` (sorted). Only the
+    folder's owner may remove them (a write in progress has the same names): tinyvit.train does, at
+    the start of a run, holding the run folder's lock."""
+    return sorted(entry.path for entry in os.scandir(directory)
+                  if TEMPORARY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False))
+
+
 def _check_file(path: str, what: str = "file") -> None:
+    """Clear errors for a path that cannot be read as a file: missing, a directory, or unreadable
+    (which safetensors would report as missing)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{what} not found: {path}")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what} {path} is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"cannot read {path}: permission denied; make it readable (chmod +r) or "
+                              "ask its owner for a copy")
 
 
 
