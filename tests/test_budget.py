@@ -141,6 +141,33 @@ def test_a_budget_run_stopped_and_resumed_keeps_its_plan(tmp_path, timed):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def test_a_slower_pace_shortens_the_plan_never_lengthens_it():
+    plan = budget.Plan(1000, 100, 10)
+    same, note = budget.keep_to_budget(plan, 10, 60, 0.1, 1.0, 200, 100)      # 800 steps x 0.1 s fit in 540 s
+    assert same is plan and note is None
+    shorter, note = budget.keep_to_budget(plan, 10, 400, 0.5, 1.0, 200, 100)  # 195 s left at 0.5 s a step
+    assert shorter.total_steps < 1000 and shorter.warmup_steps == 100 and "behind the time budget" in note
+    room = 600 - 400 - budget.SAFETY_SECONDS
+    assert _cost(shorter.total_steps - 200, 0.5, 1.0, 100) <= room
+    assert shorter.epochs == math.ceil(shorter.total_steps / 100)
+
+
+def test_a_run_slower_than_its_trial_is_shortened_to_end_in_time(tmp_path, monkeypatch):
+    """The trial claims 1 ms a step: the first epoch shows the real pace, and the plan shrinks."""
+    monkeypatch.setattr(tinyvit.train, "_time_run", lambda *args, **kwargs: (0.001, 0.0))
+    monkeypatch.setattr(budget, "SAFETY_SECONDS", 0.0)
+    monkeypatch.setattr(budget, "EPOCH_OVERHEAD_SECONDS", 0.05)
+    messages = []
+    train(_config(tmp_path, time_budget=0.05), progress=False, log=messages.append)   # 3 s
+    planned = int(next(m for m in messages if m.startswith("time budget")).split(" steps (")[0].rsplit(" ", 1)[1])
+    shortened = [m for m in messages if m.startswith("behind the time budget")]
+    assert shortened, messages
+    total = int(shortened[-1].split("ends after ")[1].split(" steps")[0])
+    assert total < planned
+    rows, steps = _rows(tmp_path / "run" / "metrics.jsonl"), _rows(tmp_path / "run" / "steps.jsonl")
+    assert steps[-1]["step"] == total and rows[-1]["epochs_trained"] == pytest.approx(total / 8, abs=1e-4)
+
+
 def test_the_timing_trial_leaves_the_run_untouched(tmp_path):
     cfg = _config(tmp_path).resolved()
     ds = tinyvit.train.load_data("synthetic", None, DATA)

@@ -9,7 +9,9 @@ its evaluations end within the budget:
                     (t_step: seconds per training step, S: steps per epoch, t_epoch: the evaluation
                     and checkpoint after each epoch; the last epoch may be cut short)
 
-The learning-rate schedule (warmup, then cosine decay) is laid over exactly those T steps. The same
+The learning-rate schedule (warmup, then cosine decay) is laid over exactly those T steps. After each
+epoch the plan is checked against the time left (keep_to_budget): a run slowed down by other work
+on the machine is shortened, its decay compressed to end with it, so that it still ends in time. The same
 holds for a run given in epochs: a recipe's warmup that would fill more than WARMUP_SHARE of a short
 run is shortened to that share (a 1-epoch CIFAR run would otherwise spend itself in the CIFAR
 recipe's 10 warmup epochs and never reach its learning rate), and the run says so.
@@ -114,3 +116,18 @@ def plan_for_budget(budget_min: float, elapsed_s: float, step_s: float, epoch_s:
                f"so {total} steps ({total / steps_per_epoch:.2f} epochs of {steps_per_epoch}), "
                f"warmup {warmup} steps, then cosine decay to the end")
     return Plan(total, warmup, epochs), message + (f"; {note}" if note else "")
+
+
+def keep_to_budget(plan: Plan, budget_min: float, elapsed_s: float, step_s: float, epoch_s: float,
+                   steps_done: int, steps_per_epoch: int) -> tuple:
+    """(plan, message or None) at the end of an epoch: the plan, shortened when the steps it has left
+    no longer fit the budget at the pace of the epoch just done (other work on the machine slows a
+    run down after its trial was timed). Never lengthened. The warmup is kept and the cosine decay
+    ends with the new last step, so the learning rate steps down once, to the curve of the shorter run."""
+    total = steps_done + steps_within(60 * budget_min, elapsed_s, step_s, epoch_s, steps_per_epoch)
+    if total >= plan.total_steps:
+        return plan, None
+    shorter = Plan(total, min(plan.warmup_steps, total), -(-total // steps_per_epoch))
+    return shorter, (f"behind the time budget (a step now takes {step_s:.3f} s): the run ends after {total} steps "
+                     f"({total / steps_per_epoch:.2f} epochs) instead of {plan.total_steps}")
+

@@ -411,7 +411,9 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                         backend.manual_seed(cfg.seed * 100_003 + epoch)  # dropout masks: reproducible per epoch
                     state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
                                                         progress, latest, plan, out / "steps.jsonl")
+                tick = time.perf_counter()
                 test = objective.evaluate(model, test_loader)
+                eval_s = time.perf_counter() - tick
                 if not math.isfinite(test["loss"]):       # weights gone bad: neither best nor latest gets them
                     raise TrainingDiverged(f"the test loss became {test['loss']} after epoch {epoch}; stopping. "
                                            f"{last_good(latest)}")
@@ -426,6 +428,9 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 if (test["acc"], -test["loss"]) > (state["best_acc"], -state.get("best_loss", math.inf)):
                     io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
                     state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
+                if cfg.time_budget is not None and not resume_from:   # a resumed run keeps its plan
+                    plan = _keep_to_budget(plan, cfg, started, row, eval_s, sched.step_count, epoch, steps_per_epoch, log)
+                    state["plan"] = plan.as_dict()
                 state.update(epoch=epoch, partial=None, trained=None)
                 checkpoint()
                 training_curves(history, read_log(out / "steps.jsonl"), out / "curves.png")
@@ -447,6 +452,17 @@ def _length(plan, steps_per_epoch: int) -> str:
     if plan.total_steps == plan.epochs * steps_per_epoch:
         return f"{plan.epochs} epochs x {steps_per_epoch} steps"
     return f"{plan.total_steps} steps ({plan.total_steps / steps_per_epoch:.2f} epochs of {steps_per_epoch})"
+
+
+def _keep_to_budget(plan, cfg, started, row, eval_s, steps_done, epoch, steps_per_epoch, log):
+    """The plan after an epoch, shortened if the pace of this epoch would overrun the time budget."""
+    steps_this_epoch = steps_done - (epoch - 1) * steps_per_epoch
+    plan, message = budget.keep_to_budget(plan, budget.parse_duration(cfg.time_budget), time.perf_counter() - started,
+                                          row["seconds"] / max(steps_this_epoch, 1),
+                                          eval_s + budget.EPOCH_OVERHEAD_SECONDS, steps_done, steps_per_epoch)
+    if message:
+        log(message)
+    return plan
 
 
 def _plan_run(cfg, warmup_from_recipe, steps_per_epoch, started, model, objective, loader, test_loader,
