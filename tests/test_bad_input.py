@@ -2,13 +2,19 @@
 fix, a non-zero exit status, no traceback and nothing half-written.
 
 Crafted checkpoints (a config describing a huge model beside tiny arrays, arrays that do not fit,
-NaN weights, a zero std), flags argparse accepts but training must not (NaN, inf, a negative
-gradient clip, a limit of 0), 16-bit images, a test loss that turns NaN, and a resume with
-settings that would make it another run. The last section runs them all again, as a table,
-against a finished run and checks that not one file of it changed. Tiny models on tiny synthetic
-data: seconds in all.
+NaN weights, a zero std, dataset info or JSON that is incomplete or corrupt), model sizes that
+cannot build a model, flags argparse accepts but training must not (NaN, inf, a negative gradient
+clip, a limit of 0), 16-bit, truncated and oversized images, a directory, pipe or device where a
+file belongs, a full disk, float64 and float16 checkpoints, a test loss that turns NaN, and a resume
+with settings that would make it another run or a damaged training state. The last section runs
+them all again, as a table, against a finished run and checks that not one file of it changed.
+Tiny models on tiny synthetic data: seconds in all.
 """
+import errno
 import json
+import os
+import subprocess
+import sys
 import time
 import tracemalloc
 from dataclasses import asdict
@@ -191,6 +197,30 @@ def test_a_header_that_claims_more_bytes_than_the_file_holds(tmp_path):
         io.load(path)
 
 
+def test_a_config_that_is_not_json_names_the_file(tmp_path, capsys):
+    path = tmp_path / "m.safetensors"
+    io.save_arrays(path, tiny_vit().state_dict(), {"format": "tinyvit", "arch": "vit", "config": "{depth: 1"})
+    code, out, err = cli(capsys, "predict", path, png(tmp_path / "img.png", np.zeros((8, 8, 3), np.uint8)))
+    line = one_line(err)
+    assert code == 1 and str(path) in line and "not JSON" in line and "tinyvit.save" in line
+
+
+@pytest.mark.parametrize("info, words", [
+    ({"name": "synthetic", "classes": ["a", "b"], "std": [1.0] * 3}, ["has no mean"]),
+    ({"name": "synthetic", "mean": [0.5] * 3, "std": [1.0] * 3}, ["has no classes"]),
+    ({"name": "synthetic", "classes": ["a", "b"]}, ["has no mean or std"]),
+    ('{"name": "synthetic", "classes": ["a", "b"', ["not valid JSON"]),
+], ids=["no-mean", "no-classes", "no-mean-or-std", "not-json"])
+def test_incomplete_dataset_info_says_what_is_missing_and_how_to_mend_it(tmp_path, capsys, info, words):
+    path = tmp_path / "m.safetensors"
+    tv.save(tiny_vit(), path, metadata={"dataset": info if isinstance(info, str) else json.dumps(info)})
+    code, out, err = cli(capsys, "predict", path, png(tmp_path / "img.png", np.zeros((8, 8, 3), np.uint8)))
+    assert code == 1 and out == ""
+    line = one_line(err)
+    for word in [str(path), *words, "tinyvit.save(model, path, metadata={'dataset'"]:
+        assert word in line, f"{word!r} not in {line!r}"
+
+
 @pytest.mark.parametrize("arch, config", [
     ("vit", ViTConfig(image_size=16, patch_size=4, dim=8, depth=2, num_heads=2, mlp_dim=12, num_classes=3)),
     ("vit", ViTConfig(image_size=16, patch_size=4, dim=8, depth=1, num_heads=2, mlp_dim=12, num_classes=0,
@@ -272,6 +302,27 @@ def test_bad_numbers_of_eval_and_fewshot(tmp_path, capsys, argv, words):
         assert word in line, f"{word!r} not in {line!r}"
 
 
+@pytest.mark.parametrize("setting, words", [
+    ("patch_size=0", ["patch_size must be a whole number >= 1, got 0"]),
+    ("num_heads=0", ["num_heads must be a whole number >= 1, got 0"]),
+    ("mlp_dim=0", ["mlp_dim must be a whole number >= 1, got 0"]),
+    ("dim=0", ["dim must be a whole number >= 1, got 0"]),
+    ("depth=-2", ["depth must be a whole number >= 1, got -2"]),
+    ("depth=abc", ["depth must be a whole number >= 1, got 'abc'"]),
+    ("dim=7", ["dim 7 is not divisible by num_heads 2"]),
+    ("patch_size=3", ["image_size 8 is not divisible by patch_size 3"]),
+    ("dropout=high", ["dropout must be in [0, 1), got 'high'"]),
+])
+def test_model_sizes_that_build_no_model_are_named(tmp_path, capsys, data_toml, setting, words):
+    """Once a division by zero, a "cannot reshape" or a comparison of text with a number."""
+    code, _, err = cli(capsys, *train_args(data_toml, tmp_path / "run", "--model-arg", setting))
+    assert code == 1
+    line = one_line(err)
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_fewshot_library_refuses_a_nan_penalty():
     from tinyvit.fewshot import fit_least_squares
     with pytest.raises(ValueError, match="finite"):
@@ -304,6 +355,102 @@ def test_floating_point_images_are_refused(tmp_path):
     Image.fromarray(np.full((8, 8), 0.5, np.float32)).save(path)
     with pytest.raises(ValueError, match="floating-point pixels"):
         read_image(path, channels=3, size=8)
+
+
+def test_an_image_too_large_to_decode_safely_is_refused(tmp_path, capsys, monkeypatch):
+    """A small file can decode to gigabytes: Pillow warns above Image.MAX_IMAGE_PIXELS (and went on
+    decoding) and refuses above twice that. Both are one line, in predict and inspect."""
+    from PIL import Image
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40)       # 8x8 = 64 pixels: a warning; 16x16: an error
+    path = tmp_path / "m.safetensors"
+    tv.save(tiny_vit(), path)
+    for side in (8, 16):
+        image = png(tmp_path / f"big{side}.png", np.zeros((side, side, 3), np.uint8))
+        for argv in (["predict", path, image], ["inspect", path, "--images", image, "--out", tmp_path / "maps"]):
+            code, out, err = cli(capsys, *argv)
+            assert code == 1 and out == ""
+            line = one_line(err)
+            assert str(image) in line and "too large to decode safely" in line
+    assert not list((tmp_path / "maps").glob("*"))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_as_checkpoint_is_refused_not_waited_on(tmp_path):
+    """Opening a named pipe to read waits for a writer: once, predict hung there for ever (holding
+    the GIL, so it runs in a process of its own here, which a timeout can end)."""
+    pipe = tmp_path / "model.safetensors"
+    os.mkfifo(pipe)
+    image = png(tmp_path / "img.png", np.zeros((8, 8, 3), np.uint8))
+    done = subprocess.run([sys.executable, "-m", "tinyvit", "predict", str(pipe), str(image)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert done.returncode == 1 and done.stdout == "" and "is not a regular file" in one_line(done.stderr)
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def disk_full(*args):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def safetensors_disk_full(tensors, filename, metadata=None):
+    """How safetensors reports a full disk: its Rust I/O error as text."""
+    import safetensors
+    raise safetensors.SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28) "
+                                      f'at path "{filename}"')
+
+
+@pytest.mark.parametrize("target, writer", [("tinyvit.io.arrays._write_safetensors", disk_full),
+                                            ("safetensors.numpy.save_file", safetensors_disk_full)],
+                         ids=["os-error", "safetensors-error"])
+def test_a_full_disk_is_named_and_keeps_the_previous_file(tmp_path, monkeypatch, target, writer):
+    path = tmp_path / "m.safetensors"
+    tv.save(tiny_vit(), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(target, writer)
+    with pytest.raises(OSError, match="is full") as info:
+        tv.save(tiny_vit(num_classes=3), path)
+    assert str(tmp_path) in str(info.value) and "free some space" in str(info.value)
+    assert path.read_bytes() == before
+    assert io.arrays.leftover_temporary_files(tmp_path) == []
+
+
+def test_a_full_disk_stops_training_with_the_last_checkpoint_whole(tmp_path, capsys, data_toml, monkeypatch):
+    out = tmp_path / "run"
+    write = io.arrays._write_safetensors
+
+    def full_after_the_first_epoch(path, arrays, metadata):
+        if (out / "latest.safetensors").exists():
+            disk_full()
+        write(path, arrays, metadata)
+    monkeypatch.setattr(io.arrays, "_write_safetensors", full_after_the_first_epoch)
+    code, _, err = cli(capsys, *train_args(data_toml, out, "--epochs", "2"))
+    assert code == 1
+    line = one_line(err)
+    assert "is full" in line and str(out) in line
+    assert json.loads(io.load_arrays(out / "latest.safetensors")[1]["training"])["progress"]["epoch"] == 1
+    assert io.arrays.leftover_temporary_files(out) == []
+
+
+# ---------------------------------------------------------------- float64 and float16 checkpoints
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_a_float64_or_float16_checkpoint_works_in_every_command(tmp_path, capsys, data_toml, dtype):
+    """Their models run in float32, as the images fed to them are (once a dtype clash in eval and
+    finetune)."""
+    path = tmp_path / "m.safetensors"
+    tv.save(tiny_vit().to(dtype=dtype), path)
+    data = [f"--dataset-arg={k}={v}" for k, v in DATA.items()]
+    for argv in (["predict", path, png(tmp_path / "img.png", np.zeros((8, 8, 3), np.uint8))],
+                 ["eval", path, "--dataset", "synthetic", *data],
+                 ["fewshot", path, "--dataset", "synthetic", *data, "--shots", "2", "--seeds", "1"],
+                 ["finetune", path, "--dataset", "synthetic", "--config", data_toml, "--epochs", "1",
+                  "--batch-size", "8", "--out", tmp_path / "tuned"]):
+        code, _, err = cli(capsys, *argv)
+        assert code == 0, err
+    tuned, _ = io.load_arrays(tmp_path / "tuned" / "latest.safetensors")
+    assert {a.dtype for a in tuned.values() if a.dtype.kind == "f"} == {np.dtype(np.float32)}
 
 
 # ---------------------------------------------------------------- NaN test loss, NaN weights, a zero std
@@ -423,6 +570,23 @@ def test_resume_from_a_plain_model_file(tmp_path, data_toml, capsys):
     assert code == 1 and "no training state" in one_line(err) and "finetune" in err
 
 
+def test_resume_names_a_damaged_training_state(stopped_run, data_toml, capsys):
+    latest = stopped_run / "latest.safetensors"
+    arrays, metadata = io.load_arrays(latest)
+    io.save_arrays(latest, arrays, {**metadata, "training": '{"config": {"lr"'})
+    code, _, err = cli(capsys, *train_args(data_toml, stopped_run, "--resume"))
+    line = one_line(err)
+    assert code == 1 and f"the training state in {latest} is damaged" in line and "--out DIR" in line
+
+
+def test_resume_names_a_torn_line_of_the_metrics_log(stopped_run, data_toml, capsys):
+    with open(stopped_run / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 2, "train_lo')
+    code, _, err = cli(capsys, *train_args(data_toml, stopped_run, "--resume"))
+    line = one_line(err)
+    assert code == 1 and f"{stopped_run / 'metrics.jsonl'}, line 2: not valid JSON" in line
+
+
 # ---------------------------------------------------------------- all of it again: a finished run stays as it was
 
 
@@ -436,6 +600,8 @@ def finished(tmp_path_factory):
     assert main([str(a) for a in train_args(root / "data.toml", root / "run")]) == 0
     png(root / "img.png", np.zeros((8, 8, 3), np.uint8))
     (root / "notes.png").write_text("not an image")
+    whole = png(root / "big.png", np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)).read_bytes()
+    (root / "truncated.png").write_bytes(whole[:len(whole) * 3 // 4])
     small = tiny_vit()
     craft(root / "huge.safetensors", {**asdict(small.config), "depth": 10_000, "dim": 65_536, "num_heads": 1024,
                                       "mlp_dim": 262_144}, small.state_dict())
@@ -475,10 +641,23 @@ DATA_ARGS = [f"--dataset-arg={k}={v}" for k, v in DATA.items()]
     (["predict", "nan.safetensors", "img.png"], 1, ["blocks.0.attn.qkv.weight", "NaN"]),
     (["predict", "zero-std.safetensors", "img.png"], 1, ["positive standard deviations"]),
     (["fewshot", "run/best.safetensors", "--dataset", "synthetic", "--l2", "nan"], 2, ["--l2", "finite"]),
+    (["predict", "run", "img.png"], 1, ["run is a directory"]),
+    (["eval", "run", "--dataset", "synthetic", *DATA_ARGS], 1, ["run is a directory"]),
+    (["predict", "run/best.safetensors", "run"], 1, ["image file run is a directory"]),
+    ([*TRAIN_RUN, "--resume", "--config", "run"], 2, ["--config: run is a directory"]),
+    (["predict", "/dev/zero", "img.png"], 1, ["/dev/zero is not a regular file"]),
+    (["predict", "/dev/null", "img.png"], 1, ["/dev/null is not a regular file"]),
+    (["predict", "run/best.safetensors", "truncated.png"], 1, ["truncated.png is truncated or damaged"]),
+    (["inspect", "run/best.safetensors", "--images", "truncated.png", "--out", "run"], 1,
+     ["truncated.png is truncated or damaged"]),
+    ([*TRAIN_RUN[:-1], "new", "--model-arg", "mlp_dim=0"], 1, ["mlp_dim must be a whole number >= 1"]),
 ], ids=["lr-nan", "grad-clip-negative", "train-limit-0", "epochs-negative", "randaug-word", "model-arg-unknown",
         "time-budget-3x", "time-budget-and-epochs", "run-exists", "resume-other-batch-size", "resume-other-dataset",
         "finetune-epochs-0", "eval-limit-0", "eval-other-classes", "predict-topk-0", "predict-missing-image",
-        "predict-not-an-image", "predict-crafted-huge", "predict-nan-weights", "predict-zero-std", "fewshot-l2-nan"])
+        "predict-not-an-image", "predict-crafted-huge", "predict-nan-weights", "predict-zero-std", "fewshot-l2-nan",
+        "predict-checkpoint-directory", "eval-checkpoint-directory", "predict-image-directory", "config-directory",
+        "predict-dev-zero", "predict-dev-null", "predict-truncated-image", "inspect-truncated-image",
+        "model-arg-mlp-dim-0"])
 def test_bad_input_changes_no_file(finished, capsys, monkeypatch, argv, status, words):
     """Each mistake against a finished run and its checkpoints: the documented exit status, the
     problem named in one line (after argparse's usage, for the errors argparse reports itself), no

@@ -237,6 +237,8 @@ def test_config_round_trips_through_json_lists_and_strings():
     (dict(resnet_width_factor=0), "resnet_width_factor"),
     (dict(dim=9), "num_heads"),                                   # ViTConfig's own checks still run
     (dict(patch_size=0), "patch_size"),
+    (dict(image_size="224"), "image_size must be a whole number >= 1, got '224'"),   # once a TypeError
+    (dict(num_heads=0), "num_heads must be a whole number >= 1"),
 ])
 def test_invalid_config_names_the_problem(bad, words):
     with pytest.raises(ValueError, match=words):

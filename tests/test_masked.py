@@ -264,7 +264,8 @@ def test_mask_token_and_head_start_as_documented():
 @pytest.mark.parametrize("bad, word", [(dict(target="rgb"), "target"), (dict(mask_rate=0.0), "mask_rate"),
                                        (dict(mask_rate=1.2), "mask_rate"), (dict(num_classes=10), "num_classes"),
                                        (dict(mask_fraction=0.8, random_fraction=0.3), "random_fraction must be <= 1"),
-                                       (dict(in_channels=2), "in_channels")])
+                                       (dict(in_channels=2), "in_channels"), (dict(mask_rate="half"), "mask_rate"),
+                                       (dict(dim=0), "dim must be a whole number >= 1")])
 def test_invalid_config(bad, word):
     with pytest.raises(ValueError, match=word):
         MaskedConfig(**{**TINY, **bad})

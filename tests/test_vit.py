@@ -539,6 +539,16 @@ def test_unknown_variant_lists_known_ones():
     (dict(dropout=1.0), "dropout"),
     (dict(attn_dropout=-0.1), "attn_dropout"),
     (dict(drop_path=1.5), "drop_path"),
+    (dict(patch_size=0), "patch_size must be a whole number >= 1, got 0"),       # once a ZeroDivisionError
+    (dict(num_heads=0), "num_heads must be a whole number >= 1, got 0"),
+    (dict(mlp_dim=0), "mlp_dim must be a whole number >= 1"),                    # once "cannot reshape"
+    (dict(dim=-8), "dim must be a whole number >= 1, got -8"),
+    (dict(depth="12"), "depth must be a whole number >= 1, got '12'"),           # once a TypeError
+    (dict(image_size=32.0), "image_size must be a whole number"),
+    (dict(num_classes=-1), "num_classes must be a whole number >= 0"),
+    (dict(representation_size=True), "representation_size"),
+    (dict(dropout="0.1"), "dropout must be in"),
+    (dict(ln_eps=0.0), "ln_eps must be a positive number"),
 ])
 def test_invalid_config(bad, word):
     with pytest.raises(ValueError, match=word):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from . import io
+from .backend import get_default_dtype
 
 # The paper's fine-tuning recipe: SGD with momentum 0.9, no weight decay, gradient clipping at global
 # norm 1, a short warmup then cosine decay; the learning rate from {0.001, 0.003, 0.01, 0.03}.
@@ -22,8 +23,9 @@ def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None
     """A model initialised from ``checkpoint`` for fine-tuning: the whole head (pre-logits included)
     replaced by a zero-initialised linear layer for ``num_classes``, and, for a new ``image_size``,
     the position embeddings 2D-interpolated to the new patch grid (section 3.2). ``overrides``:
-    config fields that need no new weights, e.g. drop_path=0.1, dropout=0.1."""
-    old_model, _, _ = io.load_checkpoint(checkpoint)
+    config fields that need no new weights, e.g. drop_path=0.1, dropout=0.1. The model is in the
+    default dtype (float32), as training's images are, whatever the checkpoint's."""
+    old_model, _, _ = io.load_checkpoint(checkpoint, dtype=get_default_dtype())
     if hasattr(old_model, "to_vit"):                   # a pre-trained encoder (e.g. masked patch prediction)
         old_model = old_model.to_vit()
     old = old_model.config
@@ -40,4 +42,4 @@ def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None
     leftover = [k for k in list(missing) + list(unexpected) if not k.startswith("head.")]
     if leftover:
         raise ValueError(f"{checkpoint}: cannot fine-tune from it, these tensors do not fit: {leftover}")
-    return model.to(dtype=next(iter(old_model.parameters())).dtype)
+    return model

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -9,14 +10,17 @@ import numpy as np
 from . import backend, io
 from . import functional as F
 from .autograd import no_grad
+from .io.arrays import _check_file
 
 
 def load_for_inference(path, device="cpu"):
     """(model in eval mode, dataset info {name, classes, mean, std}) from a training checkpoint.
-    Checkpoints saved by tinyvit.save without dataset info get generic class names and no
-    normalisation beyond [0, 1] scaling. Raises ValueError for weights that are not all finite or
-    dataset info that cannot normalise the model's images: either would print meaningless numbers."""
-    model, _, meta = io.load_checkpoint(path, device=device)
+    The model is in the default dtype (float32), as the images fed to it are, whatever the file's
+    (a float64 or float16 checkpoint). Checkpoints saved by tinyvit.save without dataset info get
+    generic class names and no normalisation beyond [0, 1] scaling. Raises ValueError for weights
+    that are not all finite or dataset info that cannot normalise the model's images: either would
+    print meaningless numbers."""
+    model, _, meta = io.load_checkpoint(path, device=device, dtype=backend.get_default_dtype())
     bad = [name for name, value in model.state_dict().items() if not np.isfinite(backend.to_numpy(value)).all()]
     if bad:
         raise ValueError(f"{path}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} hold NaN or "
@@ -28,21 +32,32 @@ def load_for_inference(path, device="cpu"):
     return model, _dataset_info(path, meta["dataset"], c, k)
 
 
+# How to mend a checkpoint whose dataset info is damaged or incomplete.
+RESAVE = ("use the checkpoint the training run wrote, or re-save the model with tinyvit.save(model, path, "
+          "metadata={'dataset': json.dumps({'name': ..., 'classes': [...], 'mean': [...], 'std': [...]})})")
+
+
 def _dataset_info(path, text: str, channels: int, num_classes: int) -> dict:
     """A checkpoint's dataset metadata (JSON: name, classes, mean, std), checked to normalise the model's
     ``channels`` and to name its ``num_classes`` classes (a pre-trained encoder has none of its own)."""
     try:
         info = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: its 'dataset' metadata is not valid JSON ({exc}); {RESAVE}") from None
+    needed = ("classes", "mean", "std") if num_classes else ("mean", "std")
+    missing = [key for key in needed if not isinstance(info, dict) or key not in info]
+    if missing:
+        raise ValueError(f"{path}: its 'dataset' metadata has no {' or '.join(missing)}; {RESAVE}")
+    try:
         mean, std = (np.asarray(info[key], np.float64) for key in ("mean", "std"))
         fits = (mean.shape == std.shape == (channels,) and np.isfinite(mean).all() and np.isfinite(std).all()
                 and (std > 0).all() and (not num_classes or len(info["classes"]) == num_classes))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError):
         fits = False
     if not fits:
         names = f"{num_classes} class names and " if num_classes else ""
         raise ValueError(f"{path}: its dataset info does not fit the model (it needs {names}{channels} finite "
-                         "means and positive standard deviations); the file was damaged or edited: use the "
-                         "checkpoint the training run wrote")
+                         f"means and positive standard deviations); the file was damaged or edited: {RESAVE}")
     return info
 
 
@@ -82,17 +97,25 @@ def format_report(matrix: np.ndarray, classes) -> str:
 
 def read_image(path, channels: int, size: int) -> np.ndarray:
     """An image file -> (C, size, size) float32 in [0, 1]: converted to RGB or greyscale as the model
-    expects and resized (bicubic) to its input size. 16-bit greyscale is scaled to 8 bits first."""
+    expects and resized (bicubic) to its input size. 16-bit greyscale is scaled to 8 bits first.
+    Raises ValueError for a file that is not an image, is truncated, or has more pixels than Pillow
+    decodes safely (Image.MAX_IMAGE_PIXELS: a tiny file can unpack to gigabytes)."""
     from PIL import Image, UnidentifiedImageError
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no image file at {path}")
+    _check_file(str(path), "image file")
     try:
-        with Image.open(path) as img:
-            img = _eight_bit(img, path).convert("RGB" if channels == 3 else "L").resize((size, size), Image.BICUBIC)
-            array = np.asarray(img, dtype=np.float32) / 255.0
+        with warnings.catch_warnings():
+            # Pillow only warns of an image over MAX_IMAGE_PIXELS (it refuses one over twice that): refuse both.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                img = _eight_bit(img, path).convert("RGB" if channels == 3 else "L")
+                array = np.asarray(img.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
     except UnidentifiedImageError:
         raise ValueError(f"{path} is not an image Pillow can read") from None
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{path} is too large to decode safely ({exc}); shrink it first") from None
+    except OSError as exc:                          # Pillow's "image file is truncated", "broken data stream"
+        raise ValueError(f"{path} is truncated or damaged ({exc}); save or copy it again") from None
     return array.transpose(2, 0, 1) if array.ndim == 3 else array[None]
 
 

@@ -145,7 +145,12 @@ def check_resume(cfg, latest: Path, log=print) -> None:
     if "training" not in metadata:
         raise ValueError(f"--resume: {latest} holds a model but no training state; fine-tune from it with "
                          "`tinyvit finetune`, or start a new run with --out DIR")
-    saved = json.loads(metadata["training"])["config"]
+    try:
+        saved = json.loads(metadata["training"])["config"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"--resume: the training state in {latest} is damaged (not JSON with a 'config' entry); "
+                         "fine-tune from the run's best.safetensors with `tinyvit finetune`, or start a new run "
+                         "with --out DIR") from None
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
     for name in ("out", "resume"):                                         # which run, not what it is
         del now[name]
@@ -180,7 +185,15 @@ def read_log(path: Path, held=None) -> list:
     dropped from the file (its epoch or steps are done again)."""
     if not path.exists():                               # interrupted in the first epoch
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not valid JSON ({exc}); delete that line and resume "
+                             "again") from None
     kept = rows if held is None else [row for row in rows if held(row)]
     if len(kept) < len(rows):
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))

@@ -75,6 +75,8 @@ def read_toml(path) -> dict:
         except ImportError:
             raise UsageError("--config needs Python >= 3.11 or `pip install tomli`") from None
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--config: {path} is a directory; give the path of a .toml file")
     if not path.is_file():
         raise UsageError(f"--config: no file at {path}")
     try:
@@ -125,14 +127,14 @@ def main(argv=None) -> int:
         return args.func(args)
     except UsageError as exc:
         parser.exit(2, f"tinyvit {args.command}: error: {exc}\n")
-    except (DataError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as exc:
-        print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
-        return 1
     except BrokenPipeError:
         # The reader went away (`tinyvit models | head`): stop quietly, and point stdout at devnull
         # so that Python's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (DataError, OSError, ValueError) as exc:     # OSError: a missing file, a directory, a full disk, ...
+        print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

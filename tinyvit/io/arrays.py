@@ -6,14 +6,16 @@
     read_header(path) -> ({name: (dtype, shape)}, metadata)    no array read (checks before loading)
 
 Also the small file helpers the other modules share: ``_check_file`` (clear errors for a missing
-path, a directory or an unreadable file), ``_sniff`` (a file's kind from its first bytes) and
-``_contiguous``.
+path, a directory, a pipe or device, or an unreadable file), ``_sniff`` (a file's kind from its
+first bytes) and ``_contiguous``.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -48,8 +50,17 @@ def _host_array(value) -> np.ndarray:
 
 def _write_safetensors(path: str, arrays: dict, metadata: dict) -> None:
     """Write ``arrays`` and ``metadata`` to ``path`` in the safetensors format (the one writer
-    ``save_arrays`` uses; tests replace it to simulate a crash halfway through)."""
-    _safetensors().numpy.save_file(arrays, path, metadata=metadata)
+    ``save_arrays`` uses; tests replace it to simulate a crash halfway through). safetensors reports
+    a failed write (a full disk, ...) as text, "... No space left on device (os error 28) ...": it
+    becomes the OSError it was, errno included."""
+    st = _safetensors()
+    try:
+        st.numpy.save_file(arrays, path, metadata=metadata)
+    except st.SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from exc
 
 
 def _fsync_directory(directory: str) -> None:
@@ -74,7 +85,8 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
     Arrays may be NumPy or CuPy arrays or Tensors; they are copied to the host. The file is first
     written to a temporary file in the same directory, flushed and fsynced, and only then renamed
     onto ``path`` (``os.replace`` is atomic), so ``path`` always holds either the old file or the
-    complete new one, never a torn mix. On any error the temporary file is removed.
+    complete new one, never a torn mix. On any error the temporary file is removed; a full disk is
+    an OSError that says so and names the folder.
     """
     path = os.fspath(path)
     host = {}
@@ -100,11 +112,15 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
         with open(tmp, "rb+") as f:          # the bytes are on disk before the rename makes them visible
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:                    # KeyboardInterrupt too: never leave the temporary file
+    except BaseException as exc:             # KeyboardInterrupt too: never leave the temporary file
         try:
             os.remove(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(f"cannot save {path}: the disk holding {directory} is full (or your quota there is "
+                          "used up); free some space or save elsewhere (any file already at that path is "
+                          "unchanged)") from exc
         raise
     _fsync_directory(directory)
 
@@ -124,12 +140,18 @@ def leftover_temporary_files(directory) -> list[str]:
 
 
 def _check_file(path: str, what: str = "file") -> None:
-    """Clear errors for a path that cannot be read as a file: missing, a directory, or unreadable
+    """Clear errors for a path that cannot be read as a file: missing, a directory, not a regular
+    file (reading a named pipe waits for a writer forever, /dev/zero never ends), or unreadable
     (which safetensors would report as missing)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} not found: {path}")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{what} {path} is a directory, not a file")
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{what} {path} is a directory, not a file; give the path of a file in it")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what} {path} is not a regular file (a named pipe, socket or device); give the path "
+                         "of a file on disk")
     if not os.access(path, os.R_OK):
         raise PermissionError(f"cannot read {path}: permission denied; make it readable (chmod +r) or "
                               "ask its owner for a copy")

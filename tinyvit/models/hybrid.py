@@ -87,8 +87,9 @@ class HybridConfig(ViTConfig):
             if bad:
                 problems.append(f"the ResNet widths {widths} (width factor {self.resnet_width_factor}) are not all "
                                 f"divisible by resnet_groups={self.resnet_groups}")
-        if not isinstance(self.patch_size, int) or self.patch_size < 1:
-            raise ValueError(f"invalid HybridConfig: patch_size must be a positive integer, got {self.patch_size!r}")
+        sizes = self.size_problems()
+        if sizes:                                       # the check below divides by patch_size
+            raise ValueError("invalid HybridConfig: " + "; ".join(sizes))
         if not problems and self.image_size % self.effective_patch_size:
             problems.append(f"image_size {self.image_size} is not divisible by the pixels per token "
                             f"{self.effective_patch_size} (ResNet stride {self.resnet_stride} x patch_size "

@@ -33,7 +33,7 @@ from .. import functional as F
 from .. import nn
 from ..autograd import Tensor, no_grad
 from ..backend import get_array_module, get_default_dtype
-from .vit import ViT, ViTConfig, normal
+from .vit import ViT, ViTConfig, is_number, normal
 
 TARGETS = ("mean3bit", "downsized3bit", "pixels-l2")
 COLOURS = 512          # 3 bits for each of r, g, b
@@ -67,12 +67,12 @@ class MaskedConfig(ViTConfig):
         problems = []
         if self.target not in TARGETS:
             problems.append(f"target must be one of {TARGETS}, got {self.target!r}")
-        if not 0.0 < self.mask_rate <= 1.0:
-            problems.append(f"mask_rate must be in (0, 1], got {self.mask_rate}")
+        if not (is_number(self.mask_rate) and 0.0 < self.mask_rate <= 1.0):
+            problems.append(f"mask_rate must be in (0, 1], got {self.mask_rate!r}")
         for name in ("mask_fraction", "random_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.mask_fraction + self.random_fraction > 1.0 + 1e-9:
+            if not (is_number(getattr(self, name)) and 0.0 <= getattr(self, name) <= 1.0):
+                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not problems and self.mask_fraction + self.random_fraction > 1.0 + 1e-9:
             problems.append(f"mask_fraction + random_fraction must be <= 1 (the rest is kept), got "
                             f"{self.mask_fraction} + {self.random_fraction}")
         if self.num_classes != 0:

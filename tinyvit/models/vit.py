@@ -10,6 +10,7 @@ vision_transformer, vit_jax/models_vit.py) and say so.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -21,6 +22,17 @@ from .posemb import sincos_2d
 
 POOLS = ("token", "gap")
 POSEMBS = ("learned-1d", "learned-2d", "sincos-2d", "none")
+SIZES = ("image_size", "patch_size", "in_channels", "dim", "depth", "num_heads", "mlp_dim")   # each >= 1
+
+
+def is_whole(value, minimum: int) -> bool:
+    """Whether ``value`` is a whole number >= minimum (True and 2.0 are not whole numbers here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def is_number(value) -> bool:
+    """Whether ``value`` is a real number (True is not one here)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -45,7 +57,9 @@ class ViTConfig:
     ln_eps: float = 1e-6            # official code's LayerNorm epsilon
 
     def __post_init__(self):
-        problems = []
+        problems = self.size_problems()
+        if problems:                                    # the checks below divide by these sizes
+            raise ValueError("invalid ViTConfig: " + "; ".join(problems))
         if self.image_size % self.patch_size:
             problems.append(f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}")
         if self.dim % self.num_heads:
@@ -61,10 +75,25 @@ class ViTConfig:
         if self.gelu_approximate not in ("none", "tanh"):
             problems.append(f"gelu_approximate must be 'none' or 'tanh', got {self.gelu_approximate!r}")
         for name in ("dropout", "attn_dropout", "drop_path"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (is_number(value) and 0.0 <= value < 1.0):
+                problems.append(f"{name} must be in [0, 1), got {value!r}")
+        if not (is_number(self.ln_eps) and self.ln_eps > 0):
+            problems.append(f"ln_eps must be a positive number, got {self.ln_eps!r}")
         if problems:
             raise ValueError("invalid ViTConfig: " + "; ".join(problems))
+
+    def size_problems(self) -> list:
+        """What is wrong with the sizes, each named: SIZES must be whole numbers >= 1, num_classes
+        and representation_size >= 0 (0: no head, no pre-logits; representation_size may be None)."""
+        problems = [f"{name} must be a whole number >= 1, got {getattr(self, name)!r}"
+                    for name in SIZES if not is_whole(getattr(self, name), 1)]
+        if not is_whole(self.num_classes, 0):
+            problems.append(f"num_classes must be a whole number >= 0, got {self.num_classes!r}")
+        if self.representation_size is not None and not is_whole(self.representation_size, 0):
+            problems.append(f"representation_size must be None or a whole number >= 0, "
+                            f"got {self.representation_size!r}")
+        return problems
 
     @property
     def grid_size(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, shape_of
+from .common import require_float, shape_of, widened
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -100,12 +100,6 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TANH_C = 0.044715
 
 
-def _widened(x):
-    """x itself, or float16 x as float32: erf's rational and x^2 overflow float16's 65504 for |x| of
-    a few units, which would give NaN where float32 gives none; the result is rounded back."""
-    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
-
-
 class GELU(Function):
     """Gaussian error linear unit (Hendrycks & Gimpel 2016), the MLP non-linearity of ViT (Eq. 3).
 
@@ -115,7 +109,7 @@ class GELU(Function):
     """
 
     def forward(self, x):
-        w = _widened(x)
+        w = widened(x)                   # float16: erf's rational and x^2 overflow it for |x| of a few units
         cdf = normal_cdf(w)
         self.save(w, cdf)
         return (w * cdf).astype(x.dtype, copy=False)
@@ -123,7 +117,7 @@ class GELU(Function):
     def backward(self, gy):
         x, cdf = self.saved
         pdf = get_array_module(x).exp(-0.5 * x * x) * _INV_SQRT_2PI
-        return (_widened(gy) * (cdf + x * pdf)).astype(gy.dtype, copy=False)
+        return (widened(gy) * (cdf + x * pdf)).astype(gy.dtype, copy=False)
 
 
 class GELUTanh(Function):
@@ -136,7 +130,7 @@ class GELUTanh(Function):
     """
 
     def forward(self, x):
-        xp, w = get_array_module(x), _widened(x)
+        xp, w = get_array_module(x), widened(x)
         with np.errstate(over="ignore", invalid="ignore"):   # |x| > 1e13 in float32: x^3 is inf
             t = xp.tanh(_SQRT_2_OVER_PI * (w + _TANH_C * w * w * w))
         self.save(w, t)
@@ -147,7 +141,7 @@ class GELUTanh(Function):
         with np.errstate(over="ignore", invalid="ignore"):
             du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * x * x)
             dy_dx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx
-        return (_widened(gy) * dy_dx).astype(gy.dtype, copy=False)
+        return (widened(gy) * dy_dx).astype(gy.dtype, copy=False)
 
 
 # ---------------------------------------------------------------- softmax and log-softmax

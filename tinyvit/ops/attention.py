@@ -16,7 +16,7 @@ import math
 
 from ..autograd import Function
 from ..backend import get_array_module, random_uniform
-from .common import require_float, require_ndim, require_same_dtype, shape_of
+from .common import require_float, require_ndim, require_same_dtype, shape_of, widened
 
 
 class MultiHeadAttention(Function):
@@ -51,9 +51,11 @@ class MultiHeadAttention(Function):
             qkv = qkv + b_qkv
         q, k, v = _split_heads(qkv.reshape(b, n, 3, h, dh))   # each (B, H, N, D_h)
 
-        logits = (q @ k.swapaxes(-1, -2)) / math.sqrt(dh)     # (B, H, N, N), Eq. 6
+        # Eq. 6, with float16 q and k in float32: the scores of ordinary activations overflow float16
+        logits = (widened(q) @ widened(k).swapaxes(-1, -2)) / math.sqrt(dh)   # (B, H, N, N)
         a = xp.exp(logits - logits.max(axis=-1, keepdims=True))   # softmax, shifted against overflow
         a /= a.sum(axis=-1, keepdims=True)
+        a = a.astype(x.dtype, copy=False)
 
         mask, keep_scale, a_drop = None, 1.0, a
         if training and attn_dropout > 0.0:

@@ -7,7 +7,7 @@ import math
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import dtype_of, require_float, shape_of
+from .common import dtype_of, require_float, shape_of, widened
 
 
 class CrossEntropy(Function):
@@ -25,7 +25,7 @@ class CrossEntropy(Function):
     def forward(self, logits, target, label_smoothing):
         xp = get_array_module(logits)
         k = logits.shape[-1]
-        z = logits.reshape(-1, k)                                   # (n, K)
+        z = widened(logits).reshape(-1, k)        # (n, K); float16 in float32: sum z overflows it
         z = z - z.max(axis=1, keepdims=True)
         z -= xp.log(xp.exp(z).sum(axis=1, keepdims=True))           # log-probabilities
         n, eps = z.shape[0], label_smoothing
@@ -55,9 +55,9 @@ class CrossEntropy(Function):
             if eps:
                 p -= eps / k
             p *= g
-            dlogits = p.reshape(logits_shape)
+            dlogits = p.reshape(logits_shape).astype(gy.dtype, copy=False)
         if t.ndim == 2 and self.needs_input_grad[1]:
-            dtarget = (z * (-(1.0 - eps) * g)).reshape(target_shape)
+            dtarget = (z * (-(1.0 - eps) * g)).reshape(target_shape).astype(gy.dtype, copy=False)
         return dlogits, dtarget, None
 
 
@@ -72,7 +72,8 @@ class MSE(Function):
         xp = get_array_module(pred)
         diff = pred - target
         self.save(diff)
-        return xp.asarray((diff * diff).mean(), dtype=pred.dtype)
+        wide = widened(diff)                      # float16 in float32: a difference of 256 squared overflows it
+        return xp.asarray((wide * wide).mean(), dtype=pred.dtype)
 
     def backward(self, gy):
         (diff,) = self.saved

@@ -16,20 +16,22 @@ from __future__ import annotations
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, require_ndim, require_same_dtype, shape_of
+from .common import require_float, require_ndim, require_same_dtype, shape_of, widened
 
 
 def _standardize_rows(x2, eps):
-    """x2: (R, n) -> x_hat (R, n), inv_std (R, 1): each row to zero mean, unit (biased) variance."""
-    xp = get_array_module(x2)
-    x_hat = x2 - x2.mean(axis=-1, keepdims=True)
+    """x2: (R, n) -> x_hat (R, n) in x2's dtype, inv_std (R, 1): each row to zero mean, unit (biased)
+    variance. float16 rows are standardised in float32 (a deviation of 256 squared overflows float16)."""
+    xp, wide = get_array_module(x2), widened(x2)
+    x_hat = wide - wide.mean(axis=-1, keepdims=True)
     inv_std = 1.0 / xp.sqrt((x_hat * x_hat).mean(axis=-1, keepdims=True) + eps)
-    return x_hat * inv_std, inv_std
+    return (x_hat * inv_std).astype(x2.dtype, copy=False), inv_std
 
 
 def _standardize_rows_backward(g, x_hat, inv_std):
     """dL/dx for x_hat = standardize_rows(x), given g = dL/dx_hat; all (R, n) but inv_std (R, 1)."""
-    return inv_std * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
+    dx = inv_std * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
+    return dx.astype(g.dtype, copy=False)                  # inv_std is float32 for float16 rows
 
 
 class LayerNorm(Function):

@@ -1,0 +1,106 @@
+"""Half precision: no op returns NaN or infinity in float16 where float32 gives a number float16 can
+hold (|y| <= 65504), on the same inputs (float16 values, so both see exactly the same numbers).
+
+Inputs are realistic activations: normal with a standard deviation from 1 to 8, and a few large
+values (+-60000, near float16's limit) that a squared deviation or an exp would overflow. A whole
+ViT in float16 gives finite logits too.
+"""
+import numpy as np
+import pytest
+
+import tinyvit as tv
+import tinyvit.functional as F
+from tinyvit.models.vit import ViT, ViTConfig
+
+HALF_MAX = float(np.finfo(np.float16).max)       # 65504
+
+
+def activations(shape, std, seed=0, large=60000.0):
+    """float16 values, normal(0, std), with +-large at one place in 50."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, std, shape)
+    flat = x.reshape(-1)
+    places = rng.choice(flat.size, size=max(1, flat.size // 50), replace=False)
+    flat[places] = large * rng.choice([-1.0, 1.0], size=places.size)
+    return x.astype(np.float16)
+
+
+def weights(shape, fan_in, seed=1):
+    """float16 weights of the usual scale, normal(0, 1 / fan_in)."""
+    return (np.random.default_rng(seed).normal(0.0, 1.0, shape) / np.sqrt(fan_in)).astype(np.float16)
+
+
+def vector(n, seed):
+    """A norm's scale or a bias: n float16 values, normal(0, 1)."""
+    return np.random.default_rng(seed).normal(0.0, 1.0, n).astype(np.float16)
+
+
+def both(xp, op, *arrays):
+    """op on ``arrays`` (the floating ones float16) and on the same values in float32, on the array
+    module ``xp``: the two results as float64 NumPy arrays."""
+    def run(dtype):
+        out = op(*[xp.asarray(a.astype(dtype) if a.dtype.kind == "f" else a) for a in arrays])
+        return np.asarray(tv.backend.to_numpy(out.data), dtype=np.float64)
+    return run(np.float16), run(np.float32)
+
+
+def check(half, single, op_name):
+    """Wherever float32 gives a number float16 can hold, float16 gives a number (not NaN, not inf),
+    and nearly the same one: within 1% of its size plus the largest result's (a normalisation whose
+    variance overflowed would give zeros, finite but wrong)."""
+    holdable = np.isfinite(single) & (np.abs(single) <= HALF_MAX)
+    bad = holdable & ~np.isfinite(half)
+    assert not bad.any(), (f"{op_name}: float16 gives {half[bad][:4]} where float32 gives {single[bad][:4]} "
+                           f"({bad.sum()} of {bad.size} values)")
+    scale = np.abs(single[holdable]).max(initial=0.0)
+    off = holdable & (np.abs(half - single) > 0.01 * (np.abs(single) + scale))
+    assert not off.any(), f"{op_name}: float16 gives {half[off][:4]} where float32 gives {single[off][:4]}"
+
+
+# name -> (the op, its inputs for activations of standard deviation s)
+D = 16
+OPS = {
+    "gelu": (lambda x: F.gelu(x), lambda s: [activations((4, 8, D), s)]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda s: [activations((4, 8, D), s)]),
+    "layer_norm": (F.layer_norm, lambda s: [activations((4, 8, D), s), vector(D, 2), vector(D, 3)]),
+    "softmax": (F.softmax, lambda s: [activations((4, 8, D), s)]),
+    "log_softmax": (F.log_softmax, lambda s: [activations((4, 8, D), s)]),
+    "cross_entropy": (F.cross_entropy, lambda s: [activations((8, D), s), np.arange(8)]),
+    "cross_entropy_smoothed": (lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1),
+                               lambda s: [activations((8, D), s), np.arange(8)]),
+    "linear": (F.linear, lambda s: [activations((4, 8, D), s), weights((D, 24), D), vector(24, 4)]),
+    "multi_head_attention": (
+        lambda x, wq, bq, wp, bp: F.multi_head_attention(x, wq, bq, wp, bp, num_heads=4),
+        lambda s: [activations((2, 8, D), s), weights((D, 3 * D), D), vector(3 * D, 5), weights((D, D), D, 6),
+                   vector(D, 7)]),
+    "patch_embed": (lambda x, w, b: F.patch_embed(x, w, b, 4),
+                    lambda s: [activations((2, 3, 8, 8), s), weights((48, D), 48), vector(D, 8)]),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=1, padding=1),
+               lambda s: [activations((2, 4, 6, 6), s), weights((8, 4, 3, 3), 36), vector(8, 9)]),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b),
+                   lambda s: [activations((2, 8, 4, 4), s), vector(8, 10), vector(8, 11)]),
+    "weight_standardize": (F.weight_standardize, lambda s: [activations((8, 4, 3, 3), s)]),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1), lambda s: [activations((2, 4, 8, 8), s)]),
+    "dropout_eval": (lambda x: F.dropout(x, 0.5, training=False), lambda s: [activations((4, 8, D), s)]),
+    "drop_path_eval": (lambda x: F.drop_path(x, 0.5, training=False), lambda s: [activations((4, 8, D), s)]),
+    "mse": (F.mse,                                        # a few differences whose square overflows float16
+            lambda s: [activations((4, 8, D), s, large=300.0), activations((4, 8, D), s, 12, large=300.0)]),
+}
+
+
+@pytest.mark.parametrize("std", [1.0, 4.0, 8.0])
+@pytest.mark.parametrize("name", list(OPS))
+def test_no_op_overflows_in_float16_where_float32_does_not(xp, name, std):
+    op, inputs = OPS[name]
+    half, single = both(xp, op, *inputs(std))
+    check(half, single, name)
+
+
+def test_a_vit_in_float16_gives_finite_logits(xp):
+    tv.manual_seed(0)
+    model = ViT(ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, num_heads=4, mlp_dim=64, num_classes=10))
+    model.to(device="cpu" if xp is np else "cuda", dtype=np.float16).eval()
+    images = xp.asarray(np.random.default_rng(0).normal(0.0, 1.0, (4, 3, 16, 16)).astype(np.float16))
+    with tv.no_grad():
+        logits = model(images).numpy()
+    assert logits.dtype == np.float16 and np.isfinite(logits).all()
