@@ -179,7 +179,7 @@ def cmd_predict(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a ViT from scratch (default: CIFAR-10, the small patch-4 preset)",
                        description="Train a ViT. Unset flags come from --config, then from the dataset's recipe "
-                                   "(tinyvit/train.py RECIPES).")
+                                   "(tinyvit/recipes.py RECIPES).")
     _add_train_flags(p)
     p.set_defaults(func=cmd_train)
 

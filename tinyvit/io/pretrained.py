@@ -36,7 +36,7 @@ def _read_source(source, hints: dict, timm_name: str | None = None):
     """(our state dict, arch, the config the checkpoint itself implies) for any source. ``hints``:
     config fields the weights do not store (num_heads for timm, ...), used while inferring;
     ``timm_name``: a timm state dict's model name, which says its heads and pooling."""
-    from ..models import ARCHS, model_class
+    from ..models import ARCHS
     if isinstance(source, Mapping):
         arrays, metadata, where = dict(source), {}, "state dict"
     else:

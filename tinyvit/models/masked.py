@@ -356,7 +356,7 @@ class MaskedPrediction:
     def build_model(self, cfg, dataset):
         """A MaskedPatchViT: the named ViT (or the preset for the images) as encoder, sized for the
         data, with cfg.model_args overriding ViTConfig and MaskedConfig fields (target=..., mask_rate=...)."""
-        from ..train import PRESET_BY_SHAPE
+        from ..recipes import PRESET_BY_SHAPE
         from .variants import config_for
         name = cfg.model or PRESET_BY_SHAPE.get((dataset.image_size, dataset.channels))
         if name is None:

@@ -1,0 +1,155 @@
+"""What a run is: the default recipes per dataset and TrainConfig, every knob of a run (the CLI
+flags and the TOML --config file map onto its fields). tinyvit.train runs one.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, fields
+
+from . import backend, budget
+
+# Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
+# Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
+# then cosine, label smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment-style policy, random erasing
+# 0.25, stochastic depth 0.1), run for 200 epochs since our default model is smaller than theirs.
+CIFAR_RECIPE = dict(model="vit-cifar/4", epochs=200, batch_size=128, lr=1e-3, weight_decay=0.05,
+                    warmup_epochs=10, label_smoothing=0.1, mixup=0.8, cutmix=1.0, randaug="2,9",
+                    erasing=0.25, drop_path=0.1, crop_padding=4, flip=True)
+RECIPES = {
+    "cifar10": CIFAR_RECIPE,
+    "cifar100": CIFAR_RECIPE,
+    # Fashion-MNIST is easy to fit and small: light augmentation, a short schedule (fits a CPU).
+    "fashion-mnist": dict(model="vit-mnist/4", epochs=15, batch_size=128, lr=2e-3, weight_decay=0.05,
+                          warmup_epochs=1, label_smoothing=0.1, crop_padding=2, flip=True),
+    # The synthetic set is for tests and offline demos: no augmentation, a few epochs.
+    "synthetic": dict(model=None, epochs=5, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_epochs=1),
+}
+
+# With no --model, the preset that fits the dataset's images.
+PRESET_BY_SHAPE = {(32, 3): "vit-cifar/4", (28, 1): "vit-mnist/4"}
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run; the CLI flags and the TOML --config file map onto these fields.
+    ``None`` means "the dataset's recipe value" (see RECIPES)."""
+    dataset: str = "cifar10"
+    model: str | None = None
+    model_args: dict = field(default_factory=dict)     # ViTConfig overrides, e.g. {"dim": 64}
+    data_dir: str | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    min_lr: float = 1e-6
+    weight_decay: float | None = None
+    warmup_epochs: float | None = None
+    optimizer: str = "adamw"                           # adamw | adam | sgd
+    momentum: float = 0.9                              # SGD only
+    grad_clip: float | None = None                     # global-norm clipping (the paper: 1.0)
+    label_smoothing: float | None = None
+    mixup: float | None = None
+    cutmix: float | None = None
+    randaug: str | None = None                         # "N,M": N ops of magnitude M; "" or "0" off
+    erasing: float | None = None
+    crop_padding: int | None = None
+    flip: bool | None = None
+    drop_path: float | None = None
+    device: str = "cpu"
+    precision: str = "fp32"                            # "tf32": TF32 tensor-core matmuls (--device cuda)
+    seed: int = 0
+    out: str | None = None
+    resume: bool = False
+    eval_batch_size: int = 500
+    train_limit: int | None = None                     # use only the first N training images
+    test_limit: int | None = None
+    dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
+    time_budget: float | None = None                   # minutes: the run's length is measured to fit (budget.py)
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None filled in from the dataset's recipe."""
+        if self.dataset not in RECIPES:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(RECIPES)}")
+        if self.time_budget is not None:
+            if self.epochs is not None:
+                raise ValueError("invalid training configuration: pass --epochs or --time-budget, not both "
+                                 "(a time budget sets the number of steps)")
+            budget.parse_duration(self.time_budget)               # a ValueError names the problem
+        defaults = dict(model=None, epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1,
+                        label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0,
+                        flip=False, drop_path=0.0)
+        defaults.update(RECIPES[self.dataset])
+        cfg = copy.deepcopy(self)
+        for key, value in defaults.items():
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        problems = []
+        if self.optimizer not in ("adamw", "adam", "sgd"):
+            problems.append(f"--optimizer must be adamw, adam or sgd, got {self.optimizer!r}")
+        # a limit of 0 would train on nothing, and a negative one would slice images off the end
+        for name in ("epochs", "batch_size", "eval_batch_size", "train_limit", "test_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        # argparse's float() reads "nan" and "inf", and every comparison with NaN is False: test first
+        numbers = {name: getattr(self, name) for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "momentum",
+                                                          "grad_clip", "label_smoothing", "mixup", "cutmix",
+                                                          "erasing", "drop_path") if getattr(self, name) is not None}
+        problems += [f"--{name.replace('_', '-')} must be a finite number, got {value}"
+                     for name, value in numbers.items() if not math.isfinite(value)]
+        finite = {name: value for name, value in numbers.items() if math.isfinite(value)}
+        for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "mixup", "cutmix"):
+            if finite.get(name, 0) < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0, got {finite[name]}")
+        if finite.get("grad_clip", 0) < 0:          # a negative norm would turn every step into ascent
+            problems.append(f"--grad-clip must be > 0 (or 0 for no clipping), got {finite['grad_clip']}")
+        for name in ("erasing", "drop_path", "label_smoothing", "momentum"):
+            if not 0 <= finite.get(name, 0) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
+        if self.precision not in backend.PRECISIONS:
+            extra = (" (bf16 is not supported yet: CuPy has no bfloat16 dtype; use tf32 on a GPU)"
+                     if self.precision == "bf16" else "")
+            problems.append(f"--precision must be fp32 or tf32, got {self.precision!r}{extra}")
+        elif self.precision == "tf32" and not str(self.device).startswith("cuda"):
+            problems.append("--precision tf32 needs --device cuda (TF32 is a format of NVIDIA tensor cores; "
+                            "NumPy computes in full float32)")
+        if self.randaug:
+            try:
+                parse_randaug(self.randaug)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid training configuration: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+        for f in fields(cls):
+            value = d.get(f.name)
+            base = str(f.type).split("|")[0].strip()
+            if value is None or base not in kinds:
+                continue
+            if not isinstance(value, kinds[base]) or (base != "bool" and isinstance(value, bool)):
+                raise ValueError(f"setting {f.name} must be {base}, got {value!r}")
+        return cls(**d)
+
+
+def parse_randaug(spec: str) -> tuple[int, float]:
+    """ "2,9" -> (2, 9.0): N ops per image at magnitude M (of 10). "" or "0" -> (0, 0)."""
+    if spec in ("", "0", None):
+        return 0, 0.0
+    parts = str(spec).split(",")
+    try:
+        n, m = (int(parts[0]), float(parts[1]) if len(parts) > 1 else 9.0)
+    except (ValueError, IndexError):
+        raise ValueError(f"--randaug must look like N,M (e.g. 2,9), got {spec!r}") from None
+    if n < 0 or not 0 <= m <= 10 or len(parts) > 2:
+        raise ValueError(f"--randaug N,M needs N >= 0 and 0 <= M <= 10, got {spec!r}")
+    return n, m
