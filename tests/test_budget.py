@@ -99,13 +99,15 @@ def test_no_step_fits_is_a_clear_error():
 
 @pytest.fixture
 def timed(monkeypatch):
-    """The trial's measurement replaced by 1 s per step and 0.5 s per evaluation; counts its calls."""
+    """The trial's measurement replaced by 1 s per step and 0.5 s per evaluation, and the plan never
+    refitted to the real (much faster) pace; counts the trial's calls."""
     calls = []
 
     def fixed(*args, **kwargs):
         calls.append(1)
         return 1.0, 0.5
     monkeypatch.setattr(tinyvit.train, "_time_run", fixed)
+    monkeypatch.setattr(budget, "keep_to_budget", lambda plan, *args: (plan, None))
     return calls
 
 
@@ -141,15 +143,19 @@ def test_a_budget_run_stopped_and_resumed_keeps_its_plan(tmp_path, timed):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-def test_a_slower_pace_shortens_the_plan_never_lengthens_it():
+def test_the_plan_is_refitted_to_the_pace():
     plan = budget.Plan(1000, 100, 10)
-    same, note = budget.keep_to_budget(plan, 10, 60, 0.1, 1.0, 200, 100)      # 800 steps x 0.1 s fit in 540 s
+    same, note = budget.keep_to_budget(plan, 3, 85, 0.1, 1.0, 200, 100)      # 810 more fit: not 5% more
     assert same is plan and note is None
     shorter, note = budget.keep_to_budget(plan, 10, 400, 0.5, 1.0, 200, 100)  # 195 s left at 0.5 s a step
     assert shorter.total_steps < 1000 and shorter.warmup_steps == 100 and "behind the time budget" in note
     room = 600 - 400 - budget.SAFETY_SECONDS
     assert _cost(shorter.total_steps - 200, 0.5, 1.0, 100) <= room
     assert shorter.epochs == math.ceil(shorter.total_steps / 100)
+    longer, note = budget.keep_to_budget(plan, 30, 60, 0.1, 1.0, 200, 100)   # early, and far more fits
+    assert longer.total_steps > 1050 and "ahead of the time budget" in note
+    late, note = budget.keep_to_budget(plan, 30, 60, 0.1, 1.0, 600, 100)     # past half the plan: kept
+    assert late is plan and note is None
 
 
 def test_a_run_slower_than_its_trial_is_shortened_to_end_in_time(tmp_path, monkeypatch):

@@ -10,8 +10,9 @@ its evaluations end within the budget:
                     and checkpoint after each epoch; the last epoch may be cut short)
 
 The learning-rate schedule (warmup, then cosine decay) is laid over exactly those T steps. After each
-epoch the plan is checked against the time left (keep_to_budget): a run slowed down by other work
-on the machine is shortened, its decay compressed to end with it, so that it still ends in time. The same
+epoch the plan is refitted to the time left (keep_to_budget): a run slowed down by other work on the
+machine is shortened, its decay compressed to end with it, so that it still ends in time; one whose
+trial ran while the machine was busy is lengthened, early in the run only. The same
 holds for a run given in epochs: a recipe's warmup that would fill more than WARMUP_SHARE of a short
 run is shortened to that share (a 1-epoch CIFAR run would otherwise spend itself in the CIFAR
 recipe's 10 warmup epochs and never reach its learning rate), and the run says so.
@@ -120,14 +121,17 @@ def plan_for_budget(budget_min: float, elapsed_s: float, step_s: float, epoch_s:
 
 def keep_to_budget(plan: Plan, budget_min: float, elapsed_s: float, step_s: float, epoch_s: float,
                    steps_done: int, steps_per_epoch: int) -> tuple:
-    """(plan, message or None) at the end of an epoch: the plan, shortened when the steps it has left
-    no longer fit the budget at the pace of the epoch just done (other work on the machine slows a
-    run down after its trial was timed). Never lengthened. The warmup is kept and the cosine decay
-    ends with the new last step, so the learning rate steps down once, to the curve of the shorter run."""
-    total = steps_done + steps_within(60 * budget_min, elapsed_s, step_s, epoch_s, steps_per_epoch)
-    if total >= plan.total_steps:
+    """(plan, message or None) at the end of an epoch: the plan refitted to the time left at the pace
+    of the epoch just done. Shortened whenever its steps no longer fit (other work on the machine
+    slowed the run after its trial was timed); lengthened when at least 5% more steps fit and at
+    most half the plan is done (the trial ran while the machine was busy), not later, when the
+    learning rate is low and raising it would undo the decay. The warmup is kept; the cosine decay
+    ends with the new last step, so the learning rate steps once onto the new run's curve."""
+    fit = steps_done + steps_within(60 * budget_min, elapsed_s, step_s, epoch_s, steps_per_epoch)
+    early = steps_done <= plan.total_steps // 2
+    if fit >= plan.total_steps and not (early and fit > 1.05 * plan.total_steps):
         return plan, None
-    shorter = Plan(total, min(plan.warmup_steps, total), -(-total // steps_per_epoch))
-    return shorter, (f"behind the time budget (a step now takes {step_s:.3f} s): the run ends after {total} steps "
-                     f"({total / steps_per_epoch:.2f} epochs) instead of {plan.total_steps}")
-
+    new = Plan(fit, min(plan.warmup_steps, fit), -(-fit // steps_per_epoch))
+    why = "behind" if fit < plan.total_steps else "ahead of"
+    return new, (f"{why} the time budget (a step now takes {step_s:.3f} s): the run ends after {fit} steps "
+                 f"({fit / steps_per_epoch:.2f} epochs) instead of {plan.total_steps}")
