@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+import tinyvit.recipes
 import tinyvit.train
 from tinyvit import budget
 from tinyvit.cli import main
@@ -223,3 +224,26 @@ def test_curves_are_readable_after_one_epoch_and_after_many(tmp_path, epochs):
         assert len(train_line.get_xdata()) == len(_steps(epochs)) >= 3          # a curve, not one point
         assert test_line.get_marker() == "o" and len(test_line.get_xdata()) == epochs
     assert lr.get_title() == "learning rate" and len(lr.lines) == 1
+
+
+# ---------------------------------------------------------------- a short run's augmentation
+
+
+def test_a_short_run_leaves_out_the_recipes_augmentation_and_says_so():
+    notes = []
+    cfg = TrainConfig(dataset="cifar10", epochs=1).resolved(notes)
+    assert (cfg.crop_padding, cfg.flip, cfg.randaug, cfg.mixup, cfg.cutmix, cfg.erasing) == (0, False, "", 0, 0, 0)
+    assert cfg.label_smoothing == 0.1 and cfg.drop_path == 0.1            # regularisers other than augmentation stay
+    assert len(notes) == 1 and "1-epoch run is short" in notes[0] and "crop_padding" in notes[0]
+
+
+def test_a_flag_keeps_its_augmentation_in_a_short_run_and_long_runs_keep_the_recipe():
+    cfg = TrainConfig(dataset="fashion-mnist", epochs=2, crop_padding=2).resolved()
+    assert cfg.crop_padding == 2 and cfg.flip is False                     # asked for: kept; the recipe's flip: off
+    recipe = tinyvit.recipes.RECIPES["fashion-mnist"]
+    long = TrainConfig(dataset="fashion-mnist", epochs=tinyvit.recipes.SHORT_RUN_EPOCHS).resolved()
+    assert (long.crop_padding, long.flip) == (recipe["crop_padding"], recipe["flip"])
+    notes = []
+    budgeted = TrainConfig(dataset="fashion-mnist", time_budget=5).resolved(notes)
+    assert (budgeted.crop_padding, budgeted.flip) == (recipe["crop_padding"], recipe["flip"]) and notes == []
+

@@ -188,8 +188,10 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
 def _train(cfg, model, objective, progress, stop_after_epoch, log, held: contextlib.ExitStack) -> dict:
     """train() itself; ``held`` keeps the run folder's lock until train() ends."""
     started = time.perf_counter()                          # a time budget counts from here
-    warmup_from_recipe = cfg.warmup_epochs is None
-    cfg = cfg.resolved()
+    warmup_from_recipe, notes = cfg.warmup_epochs is None, []
+    cfg = cfg.resolved(notes)
+    for note in notes:                                     # e.g. a short run without the recipe's augmentation
+        log(note)
     objective = objective or Classification(cfg.label_smoothing)
     out = run_dir(cfg)
     latest, best_path = out / "latest.safetensors", out / "best.safetensors"
