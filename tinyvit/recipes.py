@@ -19,8 +19,10 @@ CIFAR_RECIPE = dict(model="vit-cifar/4", epochs=200, batch_size=128, lr=1e-3, we
 RECIPES = {
     "cifar10": CIFAR_RECIPE,
     "cifar100": CIFAR_RECIPE,
-    # Fashion-MNIST is easy to fit and small: light augmentation, a short schedule (fits a CPU).
-    "fashion-mnist": dict(model="vit-mnist/4", epochs=15, batch_size=128, lr=2e-3, weight_decay=0.05,
+    # Fashion-MNIST: patch 7 (16 tokens), light augmentation, 60 epochs (about 25 minutes on 2 CPU
+    # cores). Chosen by the runs in docs/results.md: at equal time patch 7 beats patch 4 (89.69% against
+    # 88.54% in 15-minute budgets), and crop + flip pays once a run is long enough to overfit without.
+    "fashion-mnist": dict(model="vit-mnist/7", epochs=60, batch_size=128, lr=2e-3, weight_decay=0.05,
                           warmup_epochs=1, label_smoothing=0.1, crop_padding=2, flip=True),
     # The synthetic set is for tests and offline demos: no augmentation, a few epochs.
     "synthetic": dict(model=None, epochs=5, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_epochs=1),
