@@ -1,8 +1,27 @@
-"""Helpers the op tests share: float64 inputs on a backend, and comparisons with PyTorch."""
+"""Helpers the tests share: float64 inputs on a backend, comparisons with PyTorch, and running the
+`tinyvit` command in-process."""
 import numpy as np
 
 import tinyvit as tv
 from tinyvit.backend import to_numpy
+from tinyvit.cli import main
+
+
+def cli(capsys, *argv):
+    """(exit status, stdout, stderr) of `tinyvit ARGV` run in-process."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:             # argparse and usage errors exit through parser.exit
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    """The error message, checked to be exactly one line (so no traceback either)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected a one-line error, got:\n{err}"
+    return lines[0]
 
 
 def param(xp, rng, *shape, scale=1.0, dtype=np.float64):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli, one_line
 
 import tinyvit as tv
 import tinyvit.train
@@ -44,23 +45,6 @@ def _no_progress_bars():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tinyvit.train, "_progress_bar", lambda *args: None)
         yield
-
-
-def cli(capsys, *argv):
-    """(exit status, stdout, stderr) of `tinyvit ARGV` run in-process."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:             # argparse and usage errors exit through parser.exit
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(err: str) -> str:
-    """The error message, checked to be exactly one line (so no traceback either)."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected a one-line error, got:\n{err}"
-    return lines[0]
 
 
 def snapshot(folder) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bad_input import DATA, cli, one_line, png, snapshot, train_args
+from helpers import cli, one_line
+from test_bad_input import DATA, png, snapshot, train_args
 from test_train import _interrupt_after, assert_same_run, checkpoint_state, metrics
 
 import tinyvit.train

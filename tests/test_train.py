@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli, one_line
 
 import tinyvit as tv
 import tinyvit.train
@@ -54,23 +55,6 @@ def toml(path: Path, top: str = "", model: dict | None = None, dataset: dict | N
             lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
-
-
-def cli(capsys, *argv):
-    """(exit status, stdout, stderr) of `tinyvit ARGV` run in-process."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:             # argparse and usage errors exit through parser.exit
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(err: str) -> str:
-    """The error message, checked to be exactly one line."""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected a one-line error, got:\n{err}"
-    return lines[0]
 
 
 def checkpoint_state(path):
