@@ -148,6 +148,8 @@ def test_the_plan_is_refitted_to_the_pace():
     plan = budget.Plan(1000, 100, 10)
     same, note = budget.keep_to_budget(plan, 3, 85, 0.1, 1.0, 200, 100)      # 810 more fit: not 5% more
     assert same is plan and note is None
+    jitter, note = budget.keep_to_budget(plan, 3, 87.5, 0.1, 1.0, 200, 100)   # 6 steps short: 0.6 s, absorbed
+    assert jitter is plan and note is None
     shorter, note = budget.keep_to_budget(plan, 10, 400, 0.5, 1.0, 200, 100)  # 195 s left at 0.5 s a step
     assert shorter.total_steps < 1000 and shorter.warmup_steps == 100 and "behind the time budget" in note
     room = 600 - 400 - budget.SAFETY_SECONDS

@@ -122,14 +122,16 @@ def plan_for_budget(budget_min: float, elapsed_s: float, step_s: float, epoch_s:
 def keep_to_budget(plan: Plan, budget_min: float, elapsed_s: float, step_s: float, epoch_s: float,
                    steps_done: int, steps_per_epoch: int) -> tuple:
     """(plan, message or None) at the end of an epoch: the plan refitted to the time left at the pace
-    of the epoch just done. Shortened whenever its steps no longer fit (other work on the machine
-    slowed the run after its trial was timed); lengthened when at least 5% more steps fit and at
+    of the epoch just done. Shortened when its steps no longer fit by more than half the safety
+    margin (other work on the machine slowed the run after its trial was timed); lengthened when at least 5% more steps fit and at
     most half the plan is done (the trial ran while the machine was busy), not later, when the
     learning rate is low and raising it would undo the decay. The warmup is kept; the cosine decay
     ends with the new last step, so the learning rate steps once onto the new run's curve."""
     fit = steps_done + steps_within(60 * budget_min, elapsed_s, step_s, epoch_s, steps_per_epoch)
     early = steps_done <= plan.total_steps // 2
-    if fit >= plan.total_steps and not (early and fit > 1.05 * plan.total_steps):
+    # an overrun that half the safety margin absorbs is jitter, not a slower machine: no refit for it
+    small_overrun = (plan.total_steps - fit) * step_s <= SAFETY_SECONDS / 2
+    if (fit >= plan.total_steps or small_overrun) and not (early and fit > 1.05 * plan.total_steps):
         return plan, None
     new = Plan(fit, min(plan.warmup_steps, fit), -(-fit // steps_per_epoch))
     why = "behind" if fit < plan.total_steps else "ahead of"
