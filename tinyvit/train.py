@@ -351,11 +351,7 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     trial.train()
     for i, (x, y) in enumerate(batches):
         tick = time.perf_counter()
-        loss, _ = objective.step(trial, x, y)
-        trial.zero_grad()
-        loss.backward()
-        if cfg.grad_clip:
-            optim.clip_grad_norm(trial.parameters(), cfg.grad_clip)
+        loss, _ = _gradients(trial, objective, cfg, x, y)
         opt.step()
         float(loss.data)                                   # waits for a GPU to finish the step
         times.append(time.perf_counter() - tick)
@@ -370,6 +366,17 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     eval_s = (time.perf_counter() - tick) * n_test / max(sample, 1)
     backend.rng().bit_generator.state = point           # the trial's dropout draws never happened
     return step_s, eval_s + budget.EPOCH_OVERHEAD_SECONDS
+
+
+def _gradients(model, objective, cfg, x, y) -> tuple:
+    """Forward, loss, backward (and clipping) of one step: (loss Tensor, correct count); the update
+    is the caller's. The training loop and the budget's timing trial run the same step."""
+    loss, correct = objective.step(model, x, y)                                     # forward
+    model.zero_grad()
+    loss.backward()                                                                 # backward
+    if cfg.grad_clip:
+        optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
+    return loss, correct
 
 
 def _resume_point(loader) -> tuple:
@@ -462,11 +469,7 @@ def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, pr
 
     try:
         for step_in_epoch, (x, y) in enumerate(loader, start=loader.position + 1):
-            loss, correct = objective.step(model, x, y)                             # forward
-            model.zero_grad()
-            loss.backward()                                                         # backward
-            if cfg.grad_clip:
-                optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
+            loss, correct = _gradients(model, objective, cfg, x, y)                 # forward, backward
             with _ctrl_c_after_block():
                 opt.step()                                                          # update
                 sched.step()
