@@ -236,7 +236,7 @@ def test_a_short_run_leaves_out_the_recipes_augmentation_and_says_so():
     cfg = TrainConfig(dataset="cifar10", epochs=1).resolved(notes)
     assert (cfg.crop_padding, cfg.flip, cfg.randaug, cfg.mixup, cfg.cutmix, cfg.erasing) == (0, False, "", 0, 0, 0)
     assert cfg.label_smoothing == 0.1 and cfg.drop_path == 0.1            # regularisers other than augmentation stay
-    assert len(notes) == 1 and "1-epoch run is short" in notes[0] and "crop_padding" in notes[0]
+    assert len(notes) == 1 and "1-epoch run is short" in notes[0] and "--crop-padding" in notes[0]
 
 
 def test_a_flag_keeps_its_augmentation_in_a_short_run_and_long_runs_keep_the_recipe():

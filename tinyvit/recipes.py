@@ -97,7 +97,8 @@ class TrainConfig:
         for key in dropped:
             setattr(cfg, key, AUGMENTATION_OFF[key])
         if dropped and notes is not None:
-            notes.append(f"a {cfg.epochs}-epoch run is short: trained without the recipe's {', '.join(dropped)} "
+            flags = ", ".join("--" + key.replace("_", "-") for key in dropped)
+            notes.append(f"a {cfg.epochs}-epoch run is short: trained without the recipe's {flags} "
                          f"(a run of {SHORT_RUN_EPOCHS} epochs or more uses them; a flag sets one anyway)")
         cfg.validate()
         return cfg

@@ -307,7 +307,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
 def _length(plan, steps_per_epoch: int) -> str:
     """ "3 epochs x 468 steps", or for a last epoch cut short "12869 steps (27.50 epochs of 468)"."""
     if plan.total_steps == plan.epochs * steps_per_epoch:
-        return f"{plan.epochs} epochs x {steps_per_epoch} steps"
+        return f"{plan.epochs} epoch{'' if plan.epochs == 1 else 's'} x {steps_per_epoch} steps"
     return f"{plan.total_steps} steps ({plan.total_steps / steps_per_epoch:.2f} epochs of {steps_per_epoch})"
 
 
