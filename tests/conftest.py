@@ -122,5 +122,22 @@ def torch():
 
 
 @pytest.fixture
+def mpirun():
+    """The path of Open MPI's mpirun, for tests that start several ranks (with this interpreter,
+    which must import mpi4py). Skips when either is missing, unless TINYVIT_REQUIRE_MPI=1 (set by
+    CI), where a missing one is a failure, not a silent skip."""
+    import importlib.util
+    import shutil
+    missing = [what for what, found in (("mpirun (apt-get install openmpi-bin libopenmpi-dev)", shutil.which("mpirun")),
+                                        ("mpi4py (pip install 'tinyvit[mpi]')", importlib.util.find_spec("mpi4py")))
+               if not found]
+    if missing:
+        if os.environ.get("TINYVIT_REQUIRE_MPI") == "1":
+            pytest.fail(f"TINYVIT_REQUIRE_MPI=1 but {' and '.join(missing)} missing")
+        pytest.skip(f"data-parallel tests need {' and '.join(missing)}")
+    return shutil.which("mpirun")
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(0)

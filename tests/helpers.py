@@ -1,6 +1,12 @@
-"""Helpers the tests share: float64 inputs on a backend, comparisons with PyTorch, and running the
-`tinyvit` command in-process."""
+"""Helpers the tests share: float64 inputs on a backend, comparisons with PyTorch, running the
+`tinyvit` command in-process, and starting several ranks with mpirun."""
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 import tinyvit as tv
 from tinyvit.backend import to_numpy
@@ -59,3 +65,28 @@ def torch_parity(torch, ours_fn, torch_fn, arrays, dtype, rtol, atol=None, seed=
         assert a.grad is not None, f"input {i} got no gradient"
         assert a.grad.dtype == dtype, f"input {i}: gradient dtype {a.grad.dtype} != {np.dtype(dtype)}"
         assert_close(a.grad, b.grad, rtol, atol, what=f"gradient of input {i}")
+
+
+def _mpi_env():
+    """The environment of ranks started by the tests: one BLAS thread each, no progress bars."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MPLBACKEND": "Agg", "TQDM_DISABLE": "1",
+           # shared memory without the kernel's cross-process copies, which containers often forbid (ptrace)
+           "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+    if os.geteuid() == 0:                    # Open MPI refuses root unless told (CI runs as root)
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def run_ranks(mpirun, n, *args, cwd=None, timeout=120):
+    """(exit status, stdout, stderr) of `mpirun -n N python ARGS` on this machine. On a timeout the
+    whole process group is killed (mpirun and its ranks) and the test fails: a hang is a bug."""
+    cmd = [mpirun, "-n", str(n), "--oversubscribe", sys.executable, *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_mpi_env(),
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd)}` still running after {timeout} s (a rank waiting forever?):\n{err[-3000:]}")
+    return proc.returncode, out, err

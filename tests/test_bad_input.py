@@ -244,6 +244,8 @@ def test_state_shapes_are_the_built_models(arch, config):
     ("--cutmix", "nan", ["--cutmix", "finite"]),
     ("--erasing", "nan", ["--erasing", "finite"]),
     ("--drop-path", "nan", ["--drop-path", "finite"]),
+    ("--ema", "1", ["--ema", "[0, 1)"]),
+    ("--ema", "nan", ["--ema", "finite"]),
     ("--train-limit", "0", ["--train-limit", ">= 1", "0"]),
     ("--train-limit", "-5", ["--train-limit", ">= 1", "-5"]),
     ("--test-limit", "0", ["--test-limit", ">= 1"]),

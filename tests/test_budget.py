@@ -169,9 +169,10 @@ def test_a_run_slower_than_its_trial_is_shortened_to_end_in_time(tmp_path, monke
     messages = []
     train(_config(tmp_path, time_budget=0.05), progress=False, log=messages.append)   # 3 s
     planned = int(next(m for m in messages if m.startswith("time budget")).split(" steps (")[0].rsplit(" ", 1)[1])
-    shortened = [m for m in messages if m.startswith("behind the time budget")]
-    assert shortened, messages
-    total = int(shortened[-1].split("ends after ")[1].split(" steps")[0])
+    assert any(m.startswith("behind the time budget") for m in messages), messages
+    # the last refit decides (at this tiny scale a later epoch may run fast enough to lengthen it again)
+    refits = [m for m in messages if m.startswith(("behind the time budget", "ahead of the time budget"))]
+    total = int(refits[-1].split("ends after ")[1].split(" steps")[0])
     assert total < planned
     rows, steps = _rows(tmp_path / "run" / "metrics.jsonl"), _rows(tmp_path / "run" / "steps.jsonl")
     assert steps[-1]["step"] == total and rows[-1]["epochs_trained"] == pytest.approx(total / 8, abs=1e-4)

@@ -402,3 +402,35 @@ def test_lr_scheduler_sets_groups_and_resumes():
     sched2.load_state_dict(sched.state_dict())
     assert sched2.step() == sched.step() == pytest.approx(fn(16))
     assert opt2.param_groups[1]["lr"] == opt.param_groups[1]["lr"]
+
+
+def test_weight_ema_follows_its_formula_swaps_and_resumes():
+    """theta_ema <- d theta_ema + (1 - d) theta with d = min(decay, (1 + t) / (10 + t)), against a plain
+    loop; applied() shows the average and puts the trained weights back; the state round-trips."""
+    rng = np.random.default_rng(0)
+    model = nn.Linear(3, 2)
+    start = {n: p.data.copy() for n, p in model.named_parameters()}
+    ema = optim.WeightEMA(model, decay=0.9)
+    expected = {n: a.astype(np.float64) for n, a in start.items()}
+    for t in range(1, 31):
+        for p in model.parameters():
+            p.data += rng.standard_normal(p.shape).astype(p.data.dtype)
+        ema.update()
+        d = min(0.9, (1 + t) / (10 + t))
+        for n, p in model.named_parameters():
+            expected[n] = d * expected[n] + (1 - d) * p.data
+    trained = {n: p.data.copy() for n, p in model.named_parameters()}
+    with ema.applied():
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.data, expected[n], rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        assert np.array_equal(p.data, trained[n]), f"{n}: the trained weights did not come back"
+    again = optim.WeightEMA(nn.Linear(3, 2), decay=0.9)
+    again.load_state_dict(ema.state_dict())
+    assert again.step_count == 30
+    for n in ema.average:
+        assert np.array_equal(again.average[n], ema.average[n])
+    with pytest.raises(ValueError, match="decay"):
+        optim.WeightEMA(model, decay=1.0)
+    with pytest.raises(ValueError, match="lacks"):
+        optim.WeightEMA(nn.Linear(4, 2), decay=0.9).load_state_dict({"step": 1})

@@ -24,7 +24,7 @@ import tinyvit as tv
 import tinyvit.train
 from tinyvit import io, optim
 from tinyvit.cli import main, read_toml
-from tinyvit.data import Augment, load_dataset
+from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.finetune import prepare_finetune
 from tinyvit.train import Classification, TrainConfig, train
 
@@ -174,6 +174,7 @@ cutmix = 1.0
 erasing = 0.25
 label-smoothing = 0.1
 drop-path = 0.1
+ema = 0.9
 """
 AUG_MODEL = dict(dim=32, depth=2, num_heads=2, mlp_dim=64, dropout=0.1, attn_dropout=0.1)
 # (TOML cannot hold both `model = "..."` and a [model] table, nor `dataset = "..."` and a [dataset]
@@ -203,6 +204,35 @@ def test_stopped_after_an_epoch_and_resumed_equals_straight_run(straight, aug, t
     code, stdout, _ = cli(capsys, "train", *aug, "--out", out, "--resume")
     assert code == 0 and "resumed" in stdout
     assert_same_run(straight, out)
+
+
+def test_ema_run_keeps_the_average_as_best_and_the_trained_weights_to_resume(straight):
+    """With --ema, latest.safetensors holds the trained weights (and the average beside them, as
+    extra/ema.*), best.safetensors and the test accuracy are the average's, and the last epoch also
+    reports the trained weights' accuracy."""
+    arrays, state = checkpoint_state(straight / "latest.safetensors")
+    model, _, _ = io.load_checkpoint(straight / "latest.safetensors")
+    ema = {name[len("extra/ema."):]: a for name, a in arrays.items() if name.startswith("extra/ema.")}
+    weights = {name: p.numpy() for name, p in model.named_parameters()}
+    assert sorted(ema) == sorted(weights) and state["ema_step"] == 8         # 2 epochs x 4 steps
+    assert all(not np.array_equal(ema[n], weights[n]) for n in weights if "norm" not in n)
+    rows = metrics(straight)
+    assert "test_acc_without_ema" in rows[-1] and "test_acc_without_ema" not in rows[0]
+    best_epoch = max(range(len(rows)), key=lambda i: (rows[i]["test_acc"], -rows[i]["test_loss"])) + 1
+    assert best_epoch == len(rows)           # (this run improves every epoch): best = the last average
+    best = tv.load(straight / "best.safetensors")
+    for name, p in best.named_parameters():
+        assert np.array_equal(p.numpy(), ema[name]), name
+    with tv.no_grad():                       # and the accuracy logged is the average's
+        acc = tinyvit.train.evaluate(best, _test_loader(straight))["acc"]
+    assert acc == rows[-1]["test_acc"]
+
+
+def _test_loader(run):
+    cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
+    dataset = tinyvit.train.load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
+    return DataLoader(dataset.test_images, dataset.test_labels, cfg.eval_batch_size,
+                      transform=tinyvit.train.make_transforms(cfg, dataset)[1])
 
 
 def _interrupt_after(monkeypatch, cls, name, calls):

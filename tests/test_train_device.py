@@ -47,7 +47,7 @@ def _reads_before_each_step(monkeypatch):
 @pytest.mark.parametrize("recipe", [
     dict(),                                                                      # plain labels
     dict(randaug="2,9", crop_padding=2, flip=True, erasing=0.5, label_smoothing=0.1, grad_clip=1.0,
-         drop_path=0.1),                                                         # every per-step option
+         drop_path=0.1, ema=0.99),                                               # every per-step option
     dict(mixup=0.8, cutmix=1.0),                                                 # soft targets
 ])
 def test_training_steps_read_nothing_back_but_the_periodic_check(standin, monkeypatch, tmp_path, recipe):

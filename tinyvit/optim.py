@@ -414,3 +414,69 @@ class LRScheduler:
     def load_state_dict(self, state_dict: dict) -> None:
         self.step_count = int(state_dict["step"])
         self._apply()
+
+
+# ====================================================================== weight averaging
+
+
+class WeightEMA:
+    """An exponential moving average of a model's parameters (Polyak averaging, as timm's ModelEmaV3):
+    after every optimizer step t = 1, 2, ...
+
+        theta_ema <- d_t theta_ema + (1 - d_t) theta,      d_t = min(decay, (1 + t) / (10 + t))
+
+    The ramp d_t keeps a short run's average from being dominated by the random initialisation (after
+    t steps the weights of the first ones have decayed by the product of the d's). Evaluated with
+    theta_ema, a model sees its last ~1 / (1 - decay) steps' noise averaged out. The paper does not use
+    it (its appendix evaluates the final weights); it is one of the small-data recipes' tools.
+
+        ema = WeightEMA(model, decay=0.999)
+        ... opt.step(); ema.update()
+        with ema.applied():          # the model holds theta_ema inside the block
+            evaluate(model, ...)
+    """
+
+    def __init__(self, model, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay} (e.g. 0.999; 0 turns the average off)")
+        self.decay, self.step_count = float(decay), 0
+        self.params = dict(model.named_parameters())
+        self.average = {name: p.data.copy() for name, p in self.params.items()}    # on the parameters' device
+
+    def update(self) -> None:
+        """One step of the average, in place on the device (no host sync)."""
+        self.step_count += 1
+        d = min(self.decay, (1 + self.step_count) / (10 + self.step_count))
+        for name, p in self.params.items():
+            avg = self.average[name]
+            avg *= d
+            avg += (1.0 - d) * p.data
+
+    def applied(self):
+        """Context manager: inside it the model's parameters hold the average (arrays swapped, not
+        copied), outside the trained weights again."""
+        return _Swapped(self.params, self.average)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, **{f"ema.{name}": a for name, a in self.average.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [name for name in self.average if f"ema.{name}" not in state]
+        if missing:
+            raise ValueError(f"EMA state lacks {len(missing)} parameters (e.g. {missing[0]}): not this model's")
+        self.step_count = int(state["step"])
+        for name, avg in self.average.items():
+            avg[...] = backend.to_device(state[f"ema.{name}"], backend.device_of(avg))
+
+
+class _Swapped:
+    def __init__(self, params: dict, arrays: dict):
+        self.params, self.arrays = params, arrays
+
+    def __enter__(self):
+        for name, p in self.params.items():
+            p.data, self.arrays[name] = self.arrays[name], p.data
+
+    def __exit__(self, *exc):
+        self.__enter__()                     # swapping again puts both back
+        return False

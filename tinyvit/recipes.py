@@ -64,6 +64,7 @@ class TrainConfig:
     crop_padding: int | None = None
     flip: bool | None = None
     drop_path: float | None = None
+    ema: float | None = None                           # decay of an average of the weights (0: off; optim.WeightEMA)
     device: str = "cpu"
     precision: str = "fp32"                            # "tf32": TF32 tensor-core matmuls (--device cuda)
     seed: int = 0
@@ -87,7 +88,7 @@ class TrainConfig:
             budget.parse_duration(self.time_budget)               # a ValueError names the problem
         defaults = dict(model=None, epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1,
                         label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0,
-                        flip=False, drop_path=0.0)
+                        flip=False, drop_path=0.0, ema=0.0)
         defaults.update(RECIPES[self.dataset])
         cfg = copy.deepcopy(self)
         for key, value in defaults.items():
@@ -122,7 +123,7 @@ class TrainConfig:
         # argparse's float() reads "nan" and "inf", and every comparison with NaN is False: test first
         numbers = {name: getattr(self, name) for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "momentum",
                                                           "grad_clip", "label_smoothing", "mixup", "cutmix",
-                                                          "erasing", "drop_path") if getattr(self, name) is not None}
+                                                          "erasing", "drop_path", "ema") if getattr(self, name) is not None}
         problems += [f"--{name.replace('_', '-')} must be a finite number, got {value}"
                      for name, value in numbers.items() if not math.isfinite(value)]
         finite = {name: value for name, value in numbers.items() if math.isfinite(value)}
@@ -131,7 +132,7 @@ class TrainConfig:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0, got {finite[name]}")
         if finite.get("grad_clip", 0) < 0:          # a negative norm would turn every step into ascent
             problems.append(f"--grad-clip must be > 0 (or 0 for no clipping), got {finite['grad_clip']}")
-        for name in ("erasing", "drop_path", "label_smoothing", "momentum"):
+        for name in ("erasing", "drop_path", "label_smoothing", "momentum", "ema"):
             if not 0 <= finite.get(name, 0) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
         if self.precision not in backend.PRECISIONS:

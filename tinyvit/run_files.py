@@ -121,11 +121,16 @@ def dataset_metadata(dataset) -> dict:
                                    "mean": list(dataset.mean), "std": list(dataset.std)})}
 
 
-def save_training_checkpoint(path, model, opt, sched, loader, cfg, progress: dict, dataset) -> None:
-    """Everything a resume needs, in one atomic safetensors file (also loadable by tinyvit.load)."""
+def save_training_checkpoint(path, model, opt, sched, loader, cfg, progress: dict, dataset, ema=None) -> None:
+    """Everything a resume needs, in one atomic safetensors file (also loadable by tinyvit.load): the
+    trained weights as the model, the optimizer's state and the weights' average (``ema``) as arrays."""
     arrays, opt_rest = flatten_optimizer(opt)
     state = {"optimizer": opt_rest, "scheduler": sched.state_dict(), "loader": loader.state_dict(),
              "rng": backend.rng().bit_generator.state, "config": asdict(cfg), "progress": progress}
+    if ema is not None:
+        ema_state = ema.state_dict()
+        state["ema_step"] = ema_state.pop("step")
+        arrays = {**arrays, **ema_state}
     io.save(model, path, arrays=arrays,
             metadata={"training": json.dumps(state, default=_json_default), **dataset_metadata(dataset)})
 
@@ -154,7 +159,8 @@ def check_resume(cfg, latest: Path, log=print) -> None:
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
     for name in ("out", "resume"):                                         # which run, not what it is
         del now[name]
-    defaults = asdict(type(cfg)())                                         # a setting older runs did not store
+    # a setting older runs did not store: its default (ema: runs from before it existed had none)
+    defaults = {**asdict(type(cfg)()), "ema": 0.0}
     before = {name: saved.get(name, defaults[name]) for name in now}
     differ = [name for name in now if now[name] != before[name]]
     refused = [name for name in differ if name not in RESUME_MAY_CHANGE]
@@ -200,10 +206,11 @@ def read_log(path: Path, held=None) -> list:
     return kept
 
 
-def log_interval(path: Path, sched, epoch: float, now: dict, before: dict) -> None:
-    """One row of steps.jsonl: the mean training loss and accuracy since the previous check."""
+def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict) -> None:
+    """One row of steps.jsonl: the mean training loss and accuracy since the previous check (none
+    with ``path`` None: the ranks other than 0 of a data-parallel run write no files)."""
     seen = now["seen"] - before["seen"]
-    if seen <= 0:
+    if seen <= 0 or path is None:
         return
     row = {"step": sched.step_count, "epoch": round(epoch, 4), "train_loss": (now["loss"] - before["loss"]) / seen,
            "train_acc": (now["correct"] - before["correct"]) / seen, "lr": float(sched.last_lr)}

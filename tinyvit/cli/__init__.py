@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from .. import __version__
@@ -119,22 +120,41 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from .. import distributed
     from ..data import DataError
     if getattr(args, "kernels", None) in ("on", "off", "all"):
         from ..kernels import use_kernels
         use_kernels({"on": True, "off": False, "all": "all"}[args.kernels])
+    ranks = distributed.rank_prefix()          # "rank R: " in one of several processes (mpirun), else ""
     try:
-        return args.func(args)
+        status = args.func(args)
     except UsageError as exc:
-        parser.exit(2, f"tinyvit {args.command}: error: {exc}\n")
+        sys.exit(_failed(2, f"tinyvit {args.command}: error: {ranks}{exc}"))      # as parser.exit would
     except BrokenPipeError:
         # The reader went away (`tinyvit models | head`): stop quietly, and point stdout at devnull
         # so that Python's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (DataError, OSError, ValueError) as exc:     # OSError: a missing file, a directory, a full disk, ...
-        print(f"tinyvit {args.command}: {exc}", file=sys.stderr)
-        return 1
+    except (DataError, OSError, ValueError, distributed.DistributedError) as exc:   # OSError: a missing file, ...
+        return _failed(1, f"tinyvit {args.command}: {ranks}{exc}")
+    except Exception as exc:             # a bug: its traceback; among several ranks, then the others stopped
+        if not ranks:
+            raise
+        traceback.print_exc()
+        return _failed(1, f"tinyvit {args.command}: {ranks}{type(exc).__name__}: {exc}")
+    if status:                           # stopped by a signal, diverged, ...: the other ranks must stop too
+        distributed.abort_if_running(status)
+    return status
+
+
+def _failed(status: int, message: str) -> int:
+    """Print the one-line error and return ``status``. In a data-parallel run whose ranks have
+    joined (MPI started), end them all first (MPI_Abort): the others may be waiting for this one in
+    a collective, and would wait forever."""
+    from .. import distributed
+    print(message, file=sys.stderr)
+    distributed.abort_if_running(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
                "warmup_epochs", "optimizer", "momentum", "grad_clip", "label_smoothing", "mixup", "cutmix",
-               "randaug", "erasing", "crop_padding", "flip", "drop_path", "device", "precision", "seed", "out", "resume",
+               "randaug", "erasing", "crop_padding", "flip", "drop_path", "ema", "device", "precision", "seed", "out", "resume",
                "eval_batch_size", "train_limit", "test_limit", "time_budget")
 
 
@@ -93,7 +93,9 @@ def _dataset_args(pairs) -> dict:
 def _run_training(cfg, model=None, objective=None) -> int:
     """Run train() and turn how it ended into an exit status: 0 done; 1 diverged or the run folder in
     use by another run; 128 + the signal's number when stopped: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
-    (what a shell reports for a process the signal ended; the checkpoint is saved either way)."""
+    (what a shell reports for a process the signal ended; the checkpoint is saved either way). In a
+    data-parallel run (mpirun), a status other than 0 ends every rank (tinyvit.cli.main)."""
+    from .. import distributed
     from ..kernels.cpu.threads import retain_freed_memory
     from ..run_files import RunFolderInUse
     from ..train import TrainingDiverged, train
@@ -103,8 +105,10 @@ def _run_training(cfg, model=None, objective=None) -> int:
     except KeyboardInterrupt as stop:                      # train.Stopped carries SIGTERM's or SIGHUP's number
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except (TrainingDiverged, RunFolderInUse) as exc:
-        print(f"tinyvit: {exc}", file=sys.stderr)
+        print(f"tinyvit: {distributed.rank_prefix()}{exc}", file=sys.stderr)
         return 1
+    if not distributed.world().writer:                     # rank 0 reports for all
+        return 0
     print(f"done: best test accuracy {100 * result['best_acc']:.2f}%, final {100 * result.get('test_acc', 0):.2f}%; "
           f"checkpoints and metrics in {result['out']}")
     return 0
@@ -245,6 +249,8 @@ def _add_train_flags(p, skip=()) -> None:
     a("--crop-padding", type=int, help="random crop with this padding (0: off)")
     a("--flip", action=argparse.BooleanOptionalAction, default=None, help="random horizontal flips")
     a("--drop-path", type=float, help="stochastic depth rate")
+    a("--ema", type=float, metavar="DECAY",
+      help="evaluate and keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: off)")
     a("--device", help="cpu, cuda or cuda:N")
     a("--precision", choices=PRECISIONS,
       help="matrix products: fp32 (default) or tf32 (TF32 tensor cores, --device cuda only)")

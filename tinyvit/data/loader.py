@@ -42,18 +42,31 @@ class DataLoader:
 
     Iterating again after a ``break`` continues the unfinished epoch (that is what resuming means);
     a finished epoch starts the next one with a new order.
+
+    shard=(rank, ranks): this process's share of every batch, in data-parallel training
+    (tinyvit.distributed). Every rank draws the same order from the same seed, walks the same
+    batches of ``batch_size`` (the global batch), and keeps rows [rank * b // ranks, (rank + 1) * b // ranks)
+    of each batch of b rows: together the ranks see each batch exactly once. Epoch, position and
+    generator states count global batches, so a checkpoint resumes with any number of ranks.
     """
 
     def __init__(self, images, labels, batch_size: int, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, device: str = "cpu", transform: Optional[Callable] = None,
-                 dtype=None):
+                 dtype=None, shard: tuple = (0, 1)):
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        rank, ranks = shard
+        if not 0 <= rank < ranks:
+            raise ValueError(f"shard (rank, ranks) needs 0 <= rank < ranks, got {shard}")
         self.images, self.labels = images, labels
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.device, self.transform, self.dtype = device, transform, dtype
+        self.shard = (int(rank), int(ranks))
+        if ranks > 1 and min(self._batch_sizes(), default=ranks) < ranks:
+            raise ValueError(f"a batch of {min(self._batch_sizes())} images cannot be shared among {ranks} ranks: "
+                             f"give every rank at least one image (more images, or fewer ranks)")
         self.rng = np.random.default_rng(seed)
         self.epoch = 0                 # epochs completed
         self.position = 0              # batches already handed out in the current epoch
@@ -63,6 +76,21 @@ class DataLoader:
         """Batches per epoch."""
         n = len(self.images)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _batch_sizes(self) -> list:
+        """The rows of each (global) batch of an epoch."""
+        n, b = len(self.images), self.batch_size
+        return [min(b, n - i * b) for i in range(len(self))]
+
+    def _my_rows(self, idx):
+        """This rank's contiguous slice of one global batch's indices (all of them without a shard)."""
+        rank, ranks = self.shard
+        return idx[rank * len(idx) // ranks:(rank + 1) * len(idx) // ranks]
+
+    def rows_per_epoch(self) -> int:
+        """The rows this rank takes in one epoch (every row of the epoch without a shard)."""
+        rank, ranks = self.shard
+        return sum((rank + 1) * b // ranks - rank * b // ranks for b in self._batch_sizes())
 
     def _epoch_order(self) -> np.ndarray:
         """The permutation of this epoch, redrawn from its saved generator state when resuming."""
@@ -82,7 +110,7 @@ class DataLoader:
         order = self._epoch_order()
         xp = get_array_module(self.images)         # the arrays may already live on the GPU
         for b in range(self.position, len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]           # (B,)
+            idx = self._my_rows(order[b * self.batch_size:(b + 1) * self.batch_size])   # (B / ranks,)
             idx = idx if xp is np else xp.asarray(idx)
             x = to_device(self.images[idx], self.device)                       # (B, C, H, W) uint8
             y = to_device(self.labels[idx], self.device)                       # (B,) int64
