@@ -250,3 +250,16 @@ def test_a_flag_keeps_its_augmentation_in_a_short_run_and_long_runs_keep_the_rec
     budgeted = TrainConfig(dataset="fashion-mnist", time_budget=5).resolved(notes)
     assert (budgeted.crop_padding, budgeted.flip) == (recipe["crop_padding"], recipe["flip"]) and notes == []
 
+
+
+def test_the_refit_pace_ignores_one_slow_epoch_but_follows_a_lasting_slowdown():
+    rows = lambda seconds: [{"seconds": s, "epochs_trained": i + 1} for i, s in enumerate(seconds)]  # noqa: E731
+    assert budget.recent_pace(rows([10.0]), 100) == pytest.approx(0.1)
+    assert budget.recent_pace(rows([10.0, 10.0, 20.0]), 100) == pytest.approx(0.1)        # one slow epoch
+    assert budget.recent_pace(rows([10.0, 20.0, 20.0]), 100) == pytest.approx(0.2)        # two: a slowdown
+    assert budget.recent_pace(rows([30.0, 10.0, 12.0, 11.0]), 100) == pytest.approx(0.11)  # the last 3 only
+    assert budget.recent_pace(rows([10.0, 14.0]), 100) == pytest.approx(0.12)              # two: their mean
+    partial = [{"seconds": 10.0, "epochs_trained": 1}, {"seconds": 2.0, "epochs_trained": 1.1}]
+    assert budget.recent_pace(partial, 100) == pytest.approx(0.15)                         # 2 s for 10 steps
+    with pytest.raises(ValueError, match="no epoch"):
+        budget.recent_pace([], 100)

@@ -119,10 +119,33 @@ def plan_for_budget(budget_min: float, elapsed_s: float, step_s: float, epoch_s:
     return Plan(total, warmup, epochs), message + (f"; {note}" if note else "")
 
 
+# The refit's pace is the median of the last this many epochs' (budget.recent_pace).
+PACE_EPOCHS = 3
+
+
+def recent_pace(history: list, steps_per_epoch: int) -> float:
+    """Seconds a training step took, the median over the last ``PACE_EPOCHS`` epochs of ``history``
+    (metrics rows with "seconds" and "epochs_trained"). One epoch slowed by other work on the machine
+    does not move it; a slowdown that lasts two epochs does. (Following the last epoch alone, one
+    slow epoch of a 30-minute run cut its plan by 4,000 steps and the next epoch put them back: two
+    steps in the learning rate for nothing.)"""
+    paces, before = [], 0.0
+    for row in history:
+        steps = round((row["epochs_trained"] - before) * steps_per_epoch)
+        before = row["epochs_trained"]
+        if steps > 0:
+            paces.append(row["seconds"] / steps)
+    if not paces:
+        raise ValueError("recent_pace: no epoch with steps in the history")
+    recent = sorted(paces[-PACE_EPOCHS:])
+    middle = len(recent) // 2
+    return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
+
+
 def keep_to_budget(plan: Plan, budget_min: float, elapsed_s: float, step_s: float, epoch_s: float,
                    steps_done: int, steps_per_epoch: int) -> tuple:
     """(plan, message or None) at the end of an epoch: the plan refitted to the time left at the pace
-    of the epoch just done. Shortened when its steps no longer fit by more than half the safety
+    of the recent epochs (recent_pace). Shortened when its steps no longer fit by more than half the safety
     margin (other work on the machine slowed the run after its trial was timed); lengthened when at least 5% more steps fit and at
     most half the plan is done (the trial ran while the machine was busy), not later, when the
     learning rate is low and raising it would undo the decay. The warmup is kept; the cosine decay

@@ -320,7 +320,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                             io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
                     state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
                 if cfg.time_budget is not None and not resume_from:   # a resumed run keeps its plan
-                    plan = world.broadcast(_keep_to_budget(plan, cfg, started, row, eval_s, sched.step_count, epoch,
+                    plan = world.broadcast(_keep_to_budget(plan, cfg, started, history, eval_s, sched.step_count,
                                                            steps_per_epoch, log))       # rank 0's pace decides
                     state["plan"] = plan.as_dict()
                 state.update(epoch=epoch, partial=None, trained=None)
@@ -350,11 +350,10 @@ def _length(plan, steps_per_epoch: int) -> str:
     return f"{plan.total_steps} steps ({plan.total_steps / steps_per_epoch:.2f} epochs of {steps_per_epoch})"
 
 
-def _keep_to_budget(plan, cfg, started, row, eval_s, steps_done, epoch, steps_per_epoch, log):
-    """The plan after an epoch, shortened if the pace of this epoch would overrun the time budget."""
-    steps_this_epoch = steps_done - (epoch - 1) * steps_per_epoch
+def _keep_to_budget(plan, cfg, started, history, eval_s, steps_done, steps_per_epoch, log):
+    """The plan after an epoch, refitted to the time budget at the recent pace (budget.recent_pace)."""
     plan, message = budget.keep_to_budget(plan, budget.parse_duration(cfg.time_budget), time.perf_counter() - started,
-                                          row["seconds"] / max(steps_this_epoch, 1),
+                                          budget.recent_pace(history, steps_per_epoch),
                                           eval_s + budget.EPOCH_OVERHEAD_SECONDS, steps_done, steps_per_epoch)
     if message:
         log(message)
