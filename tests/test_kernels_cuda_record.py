@@ -136,14 +136,55 @@ def test_real_pytest_junit_report(tmp_path):
     files = record.test_files(tmp_path)
     assert files == {"test_kernels_cuda_bad": ["bad_op"], "test_kernels_cuda_broken": ["broken_op"],
                      "test_kernels_cuda_good": ["good_op"]}
-    junit = tmp_path / "junit.xml"
-    code = record.run_pytest([tmp_path / f"{m}.py" for m in files], junit, ["-q"], cwd=tmp_path)
-    assert code == 1                            # tests failed (the broken file's collection error too)
-    counts = record.results_by_module(junit.read_text(), list(files))
+    codes, counts = {}, {}
+    for module in files:
+        junit = tmp_path / f"junit_{module}.xml"
+        codes[module] = record.run_pytest(tmp_path / f"{module}.py", junit, ["-q"], cwd=tmp_path)
+        counts[module] = record.file_counts(module, codes[module], junit)
+    assert codes == {"test_kernels_cuda_bad": 1, "test_kernels_cuda_broken": 1, "test_kernels_cuda_good": 0}
     assert counts["test_kernels_cuda_good"] == {"passed": 3, "failed": 0, "skipped": 1}
     assert counts["test_kernels_cuda_bad"] == {"passed": 1, "failed": 1, "skipped": 0}
     assert counts["test_kernels_cuda_broken"]["failed"] >= 1
     assert record.op_outcomes(files, counts) == {"good_op": "passed", "bad_op": "failed", "broken_op": "failed"}
+
+
+def test_each_file_runs_in_its_own_process_with_launch_blocking_and_a_time_limit(tmp_path):
+    """A file whose test never returns (a deadlocked kernel) is killed at its limit and fails its own
+    ops only; CUDA_LAUNCH_BLOCKING=1 is set for the tests; a process-wide fault (here a module-level
+    flag standing for a sticky CUDA error) stays in its file."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (tmp_path / "test_kernels_cuda_hangs.py").write_text(textwrap.dedent("""
+        import time, pytest
+        OPS = ["hanging_op"]
+        @pytest.mark.gpu
+        def test_hangs():
+            time.sleep(60)
+    """))
+    (tmp_path / "test_kernels_cuda_env.py").write_text(textwrap.dedent("""
+        import os, sys, pytest
+        OPS = ["env_op"]
+        @pytest.mark.gpu
+        def test_launch_blocking():
+            assert os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
+        @pytest.mark.gpu
+        def test_poison_this_process():
+            sys.sticky_error = True          # what an illegal address does to a CUDA context
+    """))
+    (tmp_path / "test_kernels_cuda_later.py").write_text(textwrap.dedent("""
+        import sys, pytest
+        OPS = ["later_op"]
+        @pytest.mark.gpu
+        def test_not_poisoned():
+            assert not getattr(sys, "sticky_error", False)
+    """))
+    hang = record.run_pytest(tmp_path / "test_kernels_cuda_hangs.py", tmp_path / "j1.xml", cwd=tmp_path, timeout=3)
+    assert hang is None
+    assert record.file_counts("test_kernels_cuda_hangs", hang, tmp_path / "j1.xml")["failed"] == 1
+    for i, module in enumerate(["test_kernels_cuda_env", "test_kernels_cuda_later"]):
+        junit = tmp_path / f"j{i + 2}.xml"
+        code = record.run_pytest(tmp_path / f"{module}.py", junit, cwd=tmp_path, timeout=60)
+        assert code == 0 and record.file_counts(module, code, junit) == {"passed": 1 + (i == 0), "failed": 0,
+                                                                          "skipped": 0}
 
 
 # ---------------------------------------------------------------- the record
@@ -184,8 +225,8 @@ def fake_gpu_run(monkeypatch, tmp_path):
         (tests / f"{module}.py").write_text(f"OPS = {ops!r}\n")
     calls = []
 
-    def fake_pytest(paths, junit, extra=(), cwd=None):
-        calls.append((sorted(p.name for p in paths), list(extra), cwd))
+    def fake_pytest(path, junit, extra=(), cwd=None, timeout=None):
+        calls.append((path.name, list(extra), cwd))
         junit.write_text(JUNIT)
         return 1
 
@@ -202,8 +243,8 @@ def test_main_records_the_ops_that_passed(fake_gpu_run, capsys):
     args, output, calls = fake_gpu_run
     output.write_text(json.dumps({"gelu": [ENTRY], "other": [dict(ENTRY, gpu="A100")]}))
     assert record.main(args + ["--", "-x"]) == 1                         # gelu failed
-    assert calls == [(["test_kernels_cuda_gelu.py", "test_kernels_cuda_layernorm.py", "test_kernels_cuda_optim.py"],
-                      ["-x"], output.parent)]                             # run from the checkout's root
+    assert sorted(calls) == [(f"test_kernels_cuda_{m}.py", ["-x"], output.parent)     # one run per file,
+                             for m in ("gelu", "layernorm", "optim")]                  # from the checkout's root
     assert json.loads(output.read_text()) == {"layer_norm": [ENTRY], "other": [dict(ENTRY, gpu="A100")]}
     out = capsys.readouterr().out
     assert "layer_norm passed" in out and "gelu failed" in out and "optimizer_step not run" in out
@@ -217,7 +258,21 @@ def test_main_dry_run_writes_nothing(fake_gpu_run):
 
 def test_main_records_nothing_when_pytest_breaks_or_there_is_no_gpu(fake_gpu_run, monkeypatch):
     args, output, _ = fake_gpu_run
-    monkeypatch.setattr(record, "run_pytest", lambda paths, junit, extra=(), cwd=None: 2)   # interrupted
+    monkeypatch.setattr(record, "run_pytest", lambda path, junit, extra=(), cwd=None, timeout=None: 2)  # Ctrl-C
     assert record.main(args) == 1 and not output.exists()
     monkeypatch.setattr(record, "cuda_device_present", lambda: False)
     assert record.main(args) == 2 and not output.exists()
+
+
+def test_main_a_file_that_times_out_fails_its_ops_and_keeps_the_others(fake_gpu_run, monkeypatch):
+    args, output, _ = fake_gpu_run
+
+    def run(path, junit, extra=(), cwd=None, timeout=None):
+        if "gelu" in path.name:
+            return None                                   # killed at its time limit
+        junit.write_text(JUNIT)
+        return 1
+    monkeypatch.setattr(record, "run_pytest", run)
+    output.write_text(json.dumps({"gelu": [ENTRY], "gelu_tanh": [ENTRY]}))
+    assert record.main(args) == 1
+    assert json.loads(output.read_text()) == {"layer_norm": [ENTRY]}      # gelu's entries removed

@@ -3,10 +3,12 @@ switchboard reads (a CUDA kernel runs only once it is recorded there, or with us
 
     python -m tinyvit.kernels.cuda.record            # on a GPU machine, from a checkout of the repository
 
-runs `pytest -m gpu` once on every tests/test_kernels_cuda_<module>.py that names its ops (a
-module-level constant OPS = ["layer_norm"]), reads the per-test results from pytest's JUnit XML
-report, and for each op whose GPU tests all passed (no failure, no error, at least one passed)
-writes an entry
+runs `pytest -m gpu` on every tests/test_kernels_cuda_<module>.py that names its ops (a
+module-level constant OPS = ["layer_norm"]), one process per file with CUDA_LAUNCH_BLOCKING=1 and
+time limits (an illegal address is a sticky error that fails every later launch of its process, and
+a deadlocked barrier never returns: each costs its own file, not the others), reads the per-test
+results from pytest's JUnit XML reports, and for each op whose GPU tests all passed (no failure, no
+error, at least one passed) writes an entry
 
     {"gpu": "NVIDIA H100 80GB HBM3", "cupy": "14.2.0", "cuda": "12.9", "driver": "575.57.08",
      "commit": "<git commit>", "date": "2025-01-01T00:00:00+00:00"}
@@ -14,14 +16,18 @@ writes an entry
 into passed.json under the op's name: one entry per GPU model, the latest run replacing that GPU's
 earlier entry, other GPUs' entries and other ops kept. An op whose GPU tests ran and failed loses
 this GPU's entry (the kernel is no longer known to work there); an op whose tests did not run is
-left as it was. Exit status 0 when every op that ran passed, 1 otherwise, 2 without a GPU.
+left as it was. A file that outlives its time limit, or whose pytest dies of a signal, fails its
+ops. Exit status 0 when every op that ran passed, 1 otherwise, 2 without a GPU.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import datetime
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -168,13 +174,33 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def run_pytest(paths, junit: Path, extra=(), cwd: Path = REPOSITORY) -> int:
-    """`pytest -m gpu` on ``paths`` with a JUnit XML report written to ``junit``; pytest's exit code."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors",       # a file that fails to import fails its own ops only
-               f"--junitxml={junit}", *map(str, paths), *extra]
+FILE_TIMEOUT = 600          # seconds for one test file's pytest process
+TEST_TIMEOUT = 120          # seconds for one test (pytest-timeout, where installed)
+INTERRUPTED = (2, 3, 4)     # pytest's exit codes for Ctrl-C, an internal error and a usage error
+
+
+def run_pytest(path: Path, junit: Path, extra=(), cwd: Path = REPOSITORY, timeout: float = FILE_TIMEOUT) -> int:
+    """`pytest -m gpu` on one test file in its own process, with a JUnit XML report written to
+    ``junit``; pytest's exit code, or None when the process outlived ``timeout`` seconds (killed).
+    CUDA_LAUNCH_BLOCKING=1 makes a kernel's fault surface at its own launch, in its own test."""
+    per_test = [f"--timeout={TEST_TIMEOUT}"] if importlib.util.find_spec("pytest_timeout") is not None else []
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *per_test,
+               "--continue-on-collection-errors",       # a file that fails to import fails its own ops
+               f"--junitxml={junit}", str(path), *extra]
     print("$", " ".join(command), flush=True)
-    return subprocess.run(command, cwd=cwd, check=False).returncode
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    try:
+        return subprocess.run(command, cwd=cwd, env=env, check=False, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def file_counts(module: str, code, junit: Path) -> dict:
+    """results_by_module's counts for one file's run: its JUnit report when pytest finished, else
+    one failure (it timed out, died of a signal, or wrote no report)."""
+    if code is not None and code >= 0 and junit.is_file():
+        return results_by_module(junit.read_text(), [module])[module]
+    return {"passed": 0, "failed": 1, "skipped": 0}
 
 
 def cuda_device_present() -> bool:
@@ -190,6 +216,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tests", type=Path, default=TESTS, help="the tests directory (default: the checkout's)")
     parser.add_argument("--output", type=Path, default=RECORD, help="the record to update (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="report, but do not write the record")
+    parser.add_argument("--jobs", type=int, default=1, help="test files run at once, each its own process (default 1)")
+    parser.add_argument("--file-timeout", type=float, default=FILE_TIMEOUT,
+                        help="seconds for one file's pytest before it is killed and its ops fail (default %(default)s)")
+    parser.add_argument("--junit-dir", type=Path, default=None, help="keep the JUnit reports here (default: discarded)")
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = parser.parse_args(argv)
 
@@ -201,12 +231,25 @@ def main(argv=None) -> int:
         print("no CUDA device (or no CuPy) here: the GPU tests cannot run, nothing recorded", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        code = run_pytest([args.tests / f"{m}.py" for m in files], junit, args.pytest_args, cwd=args.tests.parent)
-        if code not in (0, 1) or not junit.is_file():       # interrupted, internal or usage error
-            print(f"pytest exited with {code}: nothing recorded", file=sys.stderr)
+        reports = args.junit_dir or Path(tmp)
+        reports.mkdir(parents=True, exist_ok=True)
+
+        def run(module):
+            junit = reports / f"junit_{module}.xml"
+            return module, run_pytest(args.tests / f"{module}.py", junit, args.pytest_args, cwd=args.tests.parent,
+                                      timeout=args.file_timeout), junit
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            runs = list(pool.map(run, files))
+        broken = [(m, code) for m, code, _ in runs if code in INTERRUPTED]
+        if broken:                                      # interrupted, internal or usage error
+            print(f"pytest exited with {broken[0][1]} on {broken[0][0]}: nothing recorded", file=sys.stderr)
             return 1
-        counts = results_by_module(junit.read_text(), list(files))
+        counts = {m: file_counts(m, code, junit) for m, code, junit in runs}
+        for m, code, _ in runs:
+            if code is None or code < 0:
+                print(f"{m}: {'timed out' if code is None else f'killed by signal {-code}'}: its ops fail",
+                      file=sys.stderr)
     outcomes = op_outcomes(files, counts)
     entry = {**machine(), "commit": commit(args.tests.parent), "date": now()}
 
