@@ -30,9 +30,10 @@ import numpy as np
 
 import tinyvit
 from tinyvit.data import Augment, DataLoader
-from tinyvit.inference import check_fits, load_for_inference
+from tinyvit.evaluation import check_fits, load_for_inference
 from tinyvit.io import load_checkpoint
-from tinyvit.train import evaluate, load_data
+from tinyvit.evaluation import evaluate
+from tinyvit.training import load_data
 
 ROOT = Path(__file__).resolve().parent.parent
 

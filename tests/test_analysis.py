@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 import tinyvit as tv
-from tinyvit import analysis, plots
-from tinyvit.analysis import (attention_distance, attention_rollout, embedding_filters,
+from tinyvit.evaluation import analysis, plots
+from tinyvit.evaluation.analysis import (attention_distance, attention_rollout, embedding_filters,
                               position_embedding_similarity)
 from tinyvit.backend import to_numpy
 from tinyvit.cli import main
@@ -265,7 +265,7 @@ def test_overlay_follows_the_map():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny ViT trained for one epoch on 16x16 synthetic images (4x4 grid of 4-pixel patches)."""
-    from tinyvit.train import TrainConfig, train
+    from tinyvit.training import TrainConfig, train
     out = tmp_path_factory.mktemp("run")
     train(TrainConfig(dataset="synthetic", model="vit-cifar/4", epochs=1, batch_size=32, out=str(out),
                       model_args=dict(dim=32, depth=2, num_heads=2, mlp_dim=64),
@@ -300,7 +300,7 @@ def test_inspect_command_writes_the_four_figures(checkpoint, image_files, tmp_pa
 
 def test_inspect_preprocesses_as_predict(checkpoint, image_files, tmp_path, monkeypatch):
     """The maps drawn are the rollout of the model on read_image + the checkpoint's mean/std."""
-    from tinyvit.inference import load_for_inference, read_image
+    from tinyvit.evaluation import load_for_inference, read_image
     drawn = []
     original = plots.rollout_overlay
     monkeypatch.setattr(plots, "rollout_overlay", lambda image, amap: drawn.append(amap) or original(image, amap))

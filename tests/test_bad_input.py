@@ -25,13 +25,13 @@ import pytest
 from helpers import cli, one_line
 
 import tinyvit as tv
-import tinyvit.train
+import tinyvit.training.loop
 from tinyvit import io
 from tinyvit.cli import main
 from tinyvit.io.config import state_shapes
-from tinyvit.models import hybrid, masked
+from tinyvit.models import config_for, hybrid, masked
 from tinyvit.models.vit import ViT, ViTConfig
-from tinyvit.train import Classification
+from tinyvit.training import Classification
 
 # A ViT of a few thousand parameters on 8x8 RGB images of 2 classes: a run takes well under a second.
 TINY = ["--model", "vit-cifar/4", "--model-arg", "dim=8", "--model-arg", "depth=1",
@@ -43,7 +43,7 @@ DATA = {"train_size": 16, "test_size": 8, "image_size": 8, "channels": 3, "num_c
 def _no_progress_bars():
     """tqdm bars would fill the captured stderr the tests read."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tinyvit.train, "_progress_bar", lambda *args: None)
+        mp.setattr(tinyvit.training.loop, "_progress_bar", lambda *args: None)
         yield
 
 
@@ -211,7 +211,7 @@ def test_incomplete_dataset_info_says_what_is_missing_and_how_to_mend_it(tmp_pat
                       pool="gap", posemb="learned-2d", qkv_bias=False, representation_size=5)),
     ("vit", ViTConfig(image_size=16, patch_size=4, dim=8, depth=1, num_heads=2, mlp_dim=12, num_classes=4,
                       posemb="sincos-2d", representation_size=5)),
-    ("hybrid", hybrid.config_for("r14+vit-cifar/4", dim=8, depth=1, num_heads=2, mlp_dim=8)),
+    ("hybrid", config_for("r14+vit-cifar/4", dim=8, depth=1, num_heads=2, mlp_dim=8)),
     ("hybrid", hybrid.HybridConfig(image_size=32, resnet_layers=(1, 2), resnet_width_factor=0.25, resnet_groups=4,
                                    dim=8, depth=1, num_heads=2, mlp_dim=8, num_classes=2)),
     ("masked-vit", masked.MaskedConfig(image_size=16, patch_size=4, dim=8, depth=2, num_heads=2, mlp_dim=12,
@@ -310,7 +310,7 @@ def test_model_sizes_that_build_no_model_are_named(tmp_path, capsys, data_toml, 
 
 
 def test_fewshot_library_refuses_a_nan_penalty():
-    from tinyvit.fewshot import fit_least_squares
+    from tinyvit.evaluation import fit_least_squares
     with pytest.raises(ValueError, match="finite"):
         fit_least_squares(np.eye(4), np.array([0, 1, 0, 1]), num_classes=2, l2=float("nan"))
 
@@ -322,7 +322,7 @@ def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
     """Pillow opens a 16-bit PNG as mode I;16 and its convert("L") clips every value above 255 to white."""
     from PIL import Image
 
-    from tinyvit.inference import read_image
+    from tinyvit.evaluation import read_image
     values = (np.arange(64, dtype=np.uint16) * 1040).reshape(8, 8)           # 0 .. 65520
     path = png(tmp_path / "deep.png", values)
     assert Image.open(path).mode.startswith("I")
@@ -336,7 +336,7 @@ def test_16_bit_greyscale_is_scaled_not_clipped(tmp_path):
 def test_floating_point_images_are_refused(tmp_path):
     from PIL import Image
 
-    from tinyvit.inference import read_image
+    from tinyvit.evaluation import read_image
     path = tmp_path / "float.tiff"
     Image.fromarray(np.full((8, 8), 0.5, np.float32)).save(path)
     with pytest.raises(ValueError, match="floating-point pixels"):

@@ -46,10 +46,12 @@ def test_record_fields():
     assert report["batch_size"] == 4 and report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["threads"] >= 1 and report["peak_source"] == "given" and report["peak_tflops"] == 1.0
     assert report["train_flops_per_image"] > 0 and report["parameters"] > 0
-    assert report["kernels"] == "on" and report["sides"] == ["tinyvit"] and report["compare"] is None
+    assert report["kernels"] == "on" and report["sides"] == ["tinyvit_fused", "tinyvit"] and report["compare"] is None
+    _check_side(report["tinyvit_fused"], steps=1)
     _check_side(report["tinyvit"], steps=1)
     assert "torch" not in report and "ratio" not in report and "readability_price" not in report
-    assert "tinyvit, kernels on" in bench.format_report(report)
+    text = bench.format_report(report)
+    assert "tinyvit, fused" in text and "tinyvit, per-op kernels" in text
     # where, when and what: the date in UTC, the commit (None outside a git checkout), the machine
     date = datetime.datetime.fromisoformat(report["date"])
     assert date.utcoffset() == datetime.timedelta(0)
@@ -79,7 +81,7 @@ def test_kernels_off_runs_the_reference_ops(monkeypatch):
     report = _run(kernels="off")
     assert report["kernels"] == "off" and report["sides"] == ["tinyvit_reference"] and loads == []
     _check_side(report["tinyvit_reference"], steps=1)
-    assert "tinyvit, kernels off" in bench.format_report(report)
+    assert "tinyvit, reference ops" in bench.format_report(report)
     assert kernels_enabled()                               # the switch is back as it was
     _run(kernels="on")
     assert loads, "with the kernels on the step used none"
@@ -87,13 +89,15 @@ def test_kernels_off_runs_the_reference_ops(monkeypatch):
 
 def test_kernels_both_give_the_same_losses_and_the_price_of_readability():
     report = _run(kernels="both", rounds=2)
-    assert report["sides"] == ["tinyvit", "tinyvit_reference"]
-    fast, plain = report["tinyvit"], report["tinyvit_reference"]
-    _check_side(fast, steps=2)
-    _check_side(plain, steps=2)
-    # the same model, weights and batch: the kernels compute what the reference ops compute
+    assert report["sides"] == ["tinyvit_fused", "tinyvit", "tinyvit_reference"]
+    fast, per_op, plain = report["tinyvit_fused"], report["tinyvit"], report["tinyvit_reference"]
+    for side in (fast, per_op, plain):
+        _check_side(side, steps=2)
+    # the same model, weights and batch: the three paths compute the same numbers
     np.testing.assert_allclose(fast["losses"], plain["losses"], rtol=1e-5)
+    np.testing.assert_allclose(per_op["losses"], plain["losses"], rtol=1e-5)
     assert report["readability_price"] == pytest.approx(plain["step_time_s"] / fast["step_time_s"])
+    assert report["fusion_gain"] == pytest.approx(per_op["step_time_s"] / fast["step_time_s"])
     assert report["readability_round_ratios"] == pytest.approx(
         [plain["step_times_s"][i] / fast["step_times_s"][i] for i in range(2)])
     text = bench.format_report(report)
@@ -119,19 +123,23 @@ def test_threads_and_dtype_are_applied_and_restored():
 
 def test_compare_torch(torch):
     report = _run(compare="torch", rounds=2, kernels="both")
-    assert report["sides"] == ["tinyvit", "tinyvit_reference", "torch"]
+    assert report["sides"] == ["tinyvit_fused", "tinyvit", "tinyvit_reference", "torch"]
     for side in report["sides"]:
         _check_side(report[side], steps=2)
-    assert report["ratio"] == pytest.approx(report["tinyvit"]["step_time_s"] / report["torch"]["step_time_s"])
+    assert report["ratio"] == pytest.approx(report["tinyvit_fused"]["step_time_s"] / report["torch"]["step_time_s"])
+    for side in report["sides"][:-1]:
+        assert report[side]["ratio_to_torch"] == pytest.approx(report[side]["step_time_s"]
+                                                               / report["torch"]["step_time_s"])
     assert report["torch"]["attention"] == "explicit" and report["torch"]["torch_version"] == torch.__version__
     # the same model, weights, batch and optimizer: the same losses, step after step
+    np.testing.assert_allclose(report["tinyvit_fused"]["losses"], report["torch"]["losses"], rtol=1e-4)
     np.testing.assert_allclose(report["tinyvit"]["losses"], report["torch"]["losses"], rtol=1e-4)
     np.testing.assert_allclose(report["tinyvit_reference"]["losses"], report["torch"]["losses"], rtol=1e-4)
     # one step per round here: each round's ratio is that round's two steps
-    tiny, ref = report["tinyvit"]["step_times_s"], report["torch"]["step_times_s"]
+    tiny, ref = report["tinyvit_fused"]["step_times_s"], report["torch"]["step_times_s"]
     assert report["round_ratios"] == pytest.approx([tiny[0] / ref[0], tiny[1] / ref[1]])
     text = bench.format_report(report)
-    assert "ratio (tinyvit, kernels on step time / torch step time)" in text and "ratio in each round: " in text
+    assert "ratio (tinyvit, fused step time / torch step time)" in text and "ratio in each round: " in text
 
 
 def test_compare_torch_with_the_kernels_off_compares_the_reference(torch):

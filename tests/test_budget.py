@@ -1,7 +1,7 @@
 """A run's length (tinyvit/budget.py): --time-budget, the warmup of short runs, and the curves.
 
 The time budget is planned from a timed trial; the tests replace the trial's measurement with fixed
-times (tinyvit.train._time_run), so what they check is the arithmetic and the run that follows it,
+times (tinyvit.training.loop._time_run), so what they check is the arithmetic and the run that follows it,
 never the speed of the machine.
 """
 import json
@@ -10,12 +10,14 @@ import math
 import numpy as np
 import pytest
 
-import tinyvit.recipes
-import tinyvit.train
-from tinyvit import budget
+import tinyvit.training.recipes
+import tinyvit.data
+import tinyvit.training.components
+import tinyvit.training.loop
+from tinyvit.training import budget
 from tinyvit.cli import main
-from tinyvit.plots import training_curves
-from tinyvit.train import TrainConfig, train
+from tinyvit.evaluation.plots import training_curves
+from tinyvit.training import TrainConfig, train
 
 MODEL = dict(dim=16, depth=1, num_heads=2, mlp_dim=32)
 DATA = dict(train_size=256, test_size=64, image_size=16, channels=3, num_classes=4)   # 8 steps of 32
@@ -107,7 +109,7 @@ def timed(monkeypatch):
     def fixed(*args, **kwargs):
         calls.append(1)
         return 1.0, 0.5
-    monkeypatch.setattr(tinyvit.train, "_time_run", fixed)
+    monkeypatch.setattr(tinyvit.training.loop, "_time_run", fixed)
     monkeypatch.setattr(budget, "keep_to_budget", lambda plan, *args: (plan, None))
     return calls
 
@@ -163,7 +165,7 @@ def test_the_plan_is_refitted_to_the_pace():
 
 def test_a_run_slower_than_its_trial_is_shortened_to_end_in_time(tmp_path, monkeypatch):
     """The trial claims 1 ms a step: the first epoch shows the real pace, and the plan shrinks."""
-    monkeypatch.setattr(tinyvit.train, "_time_run", lambda *args, **kwargs: (0.001, 0.0))
+    monkeypatch.setattr(tinyvit.training.loop, "_time_run", lambda *args, **kwargs: (0.001, 0.0))
     monkeypatch.setattr(budget, "SAFETY_SECONDS", 0.0)
     monkeypatch.setattr(budget, "EPOCH_OVERHEAD_SECONDS", 0.05)
     messages = []
@@ -180,14 +182,14 @@ def test_a_run_slower_than_its_trial_is_shortened_to_end_in_time(tmp_path, monke
 
 def test_the_timing_trial_leaves_the_run_untouched(tmp_path):
     cfg = _config(tmp_path).resolved()
-    ds = tinyvit.train.load_data("synthetic", None, DATA)
-    model = tinyvit.train.build_model(cfg, ds)
-    train_tf, eval_tf = tinyvit.train.make_transforms(cfg, ds)
-    loader = tinyvit.train.DataLoader(ds.train_images, ds.train_labels, 32, shuffle=True, transform=train_tf)
-    test_loader = tinyvit.train.DataLoader(ds.test_images, ds.test_labels, 32, transform=eval_tf)
+    ds = tinyvit.training.load_data("synthetic", None, DATA)
+    model = tinyvit.training.Classification().build_model(cfg, ds)
+    train_tf, eval_tf = tinyvit.training.components.make_transforms(cfg, ds)
+    loader = tinyvit.data.DataLoader(ds.train_images, ds.train_labels, 32, shuffle=True, transform=train_tf)
+    test_loader = tinyvit.data.DataLoader(ds.test_images, ds.test_labels, 32, transform=eval_tf)
     before = ({k: v.copy() for k, v in model.state_dict().items()}, train_tf.state_dict(), loader.state_dict(),
               tinyvit.backend.rng().bit_generator.state)
-    step_s, epoch_s = tinyvit.train._time_run(cfg, model, tinyvit.train.Classification(0.0), loader, test_loader,
+    step_s, epoch_s = tinyvit.training.loop._time_run(cfg, model, tinyvit.training.Classification(0.0), loader, test_loader,
                                               steps=2, warmup=1)
     assert step_s > 0 and epoch_s >= budget.EPOCH_OVERHEAD_SECONDS
     after = (model.state_dict(), train_tf.state_dict(), loader.state_dict(), tinyvit.backend.rng().bit_generator.state)
@@ -243,8 +245,8 @@ def test_a_short_run_leaves_out_the_recipes_augmentation_and_says_so():
 def test_a_flag_keeps_its_augmentation_in_a_short_run_and_long_runs_keep_the_recipe():
     cfg = TrainConfig(dataset="fashion-mnist", epochs=2, crop_padding=2).resolved()
     assert cfg.crop_padding == 2 and cfg.flip is False                     # asked for: kept; the recipe's flip: off
-    recipe = tinyvit.recipes.RECIPES["fashion-mnist"]
-    long = TrainConfig(dataset="fashion-mnist", epochs=tinyvit.recipes.SHORT_RUN_EPOCHS).resolved()
+    recipe = tinyvit.training.recipes.RECIPES["fashion-mnist"]
+    long = TrainConfig(dataset="fashion-mnist", epochs=tinyvit.training.recipes.SHORT_RUN_EPOCHS).resolved()
     assert (long.crop_padding, long.flip) == (recipe["crop_padding"], recipe["flip"])
     notes = []
     budgeted = TrainConfig(dataset="fashion-mnist", time_budget=5).resolved(notes)

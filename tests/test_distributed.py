@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from helpers import cli, one_line, run_ranks
 
-import tinyvit.train
+import tinyvit.training.loop
 from tinyvit import distributed, io
 from tinyvit import functional as F
 from tinyvit.backend import default_dtype
@@ -32,8 +32,8 @@ from tinyvit.cli import main
 from tinyvit.data import DataLoader
 from tinyvit.distributed import GradientBuckets, World, ranks
 from tinyvit.models import create
-from tinyvit.run_files import RunFolderLock
-from tinyvit.train import TrainConfig
+from tinyvit.training.run_folder import RunFolderLock
+from tinyvit.training import TrainConfig
 
 TINY = ["--model", "vit-cifar/4", "--model-arg", "dim=32", "--model-arg", "depth=2",
         "--model-arg", "num_heads=2", "--model-arg", "mlp_dim=64"]
@@ -47,7 +47,7 @@ RUN_CONFIG = dict(dataset="synthetic", model="vit-cifar/4", model_args=dict(dim=
 @pytest.fixture(scope="module", autouse=True)
 def _no_progress_bars():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tinyvit.train, "_progress_bar", lambda *args: None)
+        mp.setattr(tinyvit.training.loop, "_progress_bar", lambda *args: None)
         yield
 
 
@@ -270,7 +270,7 @@ def test_a_run_resumes_with_another_number_of_ranks(mpirun, workdir, one_process
     --resume): both end as the run that never stopped."""
     first = workdir / "two-then-one"
     settings = json.dumps({**RUN_CONFIG, "out": str(first)})
-    script = ("import json, sys; from tinyvit.train import TrainConfig, train; "
+    script = ("import json, sys; from tinyvit.training import TrainConfig, train; "
               "train(TrainConfig(**json.loads(sys.argv[1])), stop_after_epoch=1, progress=False)")
     code, _, stderr = run_ranks(mpirun, 2, "-c", script, settings, cwd=workdir)
     assert code == 0, stderr[-3000:]
@@ -278,7 +278,7 @@ def test_a_run_resumes_with_another_number_of_ranks(mpirun, workdir, one_process
     assert_same_training(one_process, first)
 
     second = workdir / "one-then-two"
-    tinyvit.train.train(TrainConfig(**{**RUN_CONFIG, "out": str(second)}), stop_after_epoch=1, progress=False)
+    tinyvit.training.train(TrainConfig(**{**RUN_CONFIG, "out": str(second)}), stop_after_epoch=1, progress=False)
     code, _, stderr = run_ranks(mpirun, 2, *tinyvit_cmd("train", *RUN, "--config", "data.toml", "--out", second,
                                                         "--resume"), cwd=workdir)
     assert code == 0, stderr[-3000:]
@@ -289,7 +289,7 @@ def test_the_time_budget_plan_is_rank_zeros(mpirun, workdir):
     """Every rank times the trial steps, but the plan is made from rank 0's timing on all of them:
     rank 1, told here that a step takes a thousand times longer, still trains rank 0's plan (on its
     own it would plan almost no steps, stop early and leave rank 0 waiting in an all-reduce)."""
-    script = ("import sys, tinyvit.train as t; from tinyvit import distributed; timed = t._time_run\n"
+    script = ("import sys, tinyvit.training.loop as t; from tinyvit import distributed; timed = t._time_run\n"
               "def slow_on_rank_1(*args, **kwargs):\n"
               "    step_s, epoch_s = timed(*args, **kwargs)\n"
               "    return (step_s * 1000, epoch_s) if distributed.world().rank == 1 else (step_s, epoch_s)\n"
@@ -317,7 +317,7 @@ def test_pretraining_on_two_ranks(mpirun, workdir):
 def test_a_rank_that_fails_stops_the_others(mpirun, workdir):
     """Rank 1 fails at its third step, while rank 0 waits for it in the all-reduce: mpirun ends at
     once, non-zero, and the line names the rank and the error."""
-    script = ("import sys, tinyvit.train as t; from tinyvit import distributed; step = t._gradients; calls = []\n"
+    script = ("import sys, tinyvit.training.loop as t; from tinyvit import distributed; step = t._gradients; calls = []\n"
               "def failing(*args):\n"
               "    calls.append(1)\n"
               "    if distributed.world().rank == 1 and len(calls) == 3:\n"

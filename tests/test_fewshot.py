@@ -10,11 +10,12 @@ import pytest
 import tinyvit as tv
 from tinyvit import io
 from tinyvit.cli import main
-from tinyvit.fewshot import (extract_features, fewshot_evaluate, fewshot_linear, fewshot_subsets,
+from tinyvit.evaluation.fewshot import (extract_features, fewshot_evaluate, fewshot_linear, fewshot_subsets,
                              fit_least_squares, sample_per_class)
 from tinyvit.models import ViT, ViTConfig
-from tinyvit.models.masked import MaskedConfig, MaskedPatchViT, MaskedPrediction
-from tinyvit.train import TrainConfig, train
+from tinyvit.models.masked import MaskedConfig, MaskedPatchViT
+from tinyvit.training import MaskedPrediction
+from tinyvit.training import TrainConfig, train
 
 
 def _blobs(k=5, d=32, per_class=40, spread=0.3, seed=0):

@@ -370,7 +370,7 @@ def test_finetune_new_head_and_resolution(tmp_path):
     """prepare_finetune: a zero head for the new classes, the backbone and encoder kept, the position
     embeddings interpolated from the 2x2 grid (16 px) to 4x4 (32 px)."""
     from tinyvit.models import resize_pos_embed
-    from tinyvit.finetune import prepare_finetune
+    from tinyvit.training import prepare_finetune
 
     model = build(dtype=np.float32, **BIT)
     tv.save(model, tmp_path / "pre.safetensors")
@@ -388,7 +388,7 @@ def test_finetune_new_head_and_resolution(tmp_path):
 
 
 def test_trains_on_synthetic_data_far_above_chance(tmp_path):
-    from tinyvit.train import TrainConfig, train
+    from tinyvit.training import TrainConfig, train
 
     # The grey 28 px preset shrunk to 8 px images, one block of width 32 and two ResNet stages
     # (a 4x4 map, 16 tokens); resnet_layers arrives as a list, as from a TOML [model] table.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tinyvit as tv
-from tinyvit.inference import load_for_inference
+from tinyvit.evaluation import load_for_inference
 from tinyvit.io import load_checkpoint
 
 MODELS = Path(__file__).resolve().parent.parent / "lessons" / "models"

@@ -15,10 +15,10 @@ from tinyvit.backend import default_dtype
 from tinyvit.cli import main
 from tinyvit.data import Augment, load_dataset
 from tinyvit.models import ViT, from_config
-from tinyvit.models.masked import (MaskedConfig, MaskedPatchViT, MaskedPrediction, choose_corruption, corrupt,
-                                   downsized_3bit, mean_color_3bit, patch_pixels)
-from tinyvit.finetune import prepare_finetune
-from tinyvit.train import train
+from tinyvit.models.masked import (MaskedConfig, MaskedPatchViT, choose_corruption, corrupt, downsized_3bit,
+                                   mean_color_3bit, patch_pixels)
+from tinyvit.training import MaskedPrediction
+from tinyvit.training import prepare_finetune, train
 
 # image 8, patch 4 (N = 4), C = 3, D = 8, two blocks of two heads
 TINY = dict(image_size=8, patch_size=4, in_channels=3, dim=8, depth=2, num_heads=2, mlp_dim=12)
@@ -327,9 +327,9 @@ def test_pretrain_resume_gives_the_same_weights(tmp_path, pretrained, data_confi
     out = tmp_path / "run"
     from tinyvit.cli import build_parser
     from tinyvit.cli.train import _train_config
-    from tinyvit.models.masked import PRETRAIN_DEFAULTS
+    from tinyvit.training import PRETRAIN_RECIPE
     args = build_parser().parse_args(["pretrain", *SMALL, "--config", data_config, "--out", str(out)])
-    cfg = _train_config(args, defaults=PRETRAIN_DEFAULTS)
+    cfg = _train_config(args, recipe=PRETRAIN_RECIPE)
     train(cfg, objective=MaskedPrediction(), progress=False, stop_after_epoch=1, log=lambda *a: None)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert main(["pretrain", *SMALL, "--config", data_config, "--out", str(out), "--resume"]) == 0

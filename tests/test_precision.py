@@ -8,7 +8,7 @@ import pytest
 
 from tinyvit import backend
 from tinyvit.cli import main
-from tinyvit.train import TrainConfig
+from tinyvit.training import TrainConfig
 
 
 def test_tf32_on_the_cpu_is_a_usage_error(capsys):

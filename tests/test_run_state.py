@@ -21,12 +21,12 @@ from helpers import cli, one_line
 from test_bad_input import DATA, png, snapshot, train_args
 from test_train import _interrupt_after, assert_same_run, checkpoint_state, metrics
 
-import tinyvit.train
+import tinyvit.training.loop
 from tinyvit import io, optim
 from tinyvit.cli import main
 from tinyvit.io.arrays import TEMPORARY_NAME
-from tinyvit.run_files import RunFolderLock
-from tinyvit.train import Classification
+from tinyvit.training.run_folder import RunFolderLock
+from tinyvit.training import Classification
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _no_progress_bars():
     """tqdm bars would fill the captured stderr the tests read."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tinyvit.train, "_progress_bar", lambda *args: None)
+        mp.setattr(tinyvit.training.loop, "_progress_bar", lambda *args: None)
         yield
 
 
@@ -105,7 +105,7 @@ def test_a_run_that_died_before_its_first_checkpoint_starts_again_cleanly(tmp_pa
     def killed(*args, **kwargs):                         # as kill -9 would: no handler runs, nothing saved
         raise RuntimeError("killed")
     with monkeypatch.context() as mp:
-        mp.setattr(tinyvit.train, "save_training_checkpoint", killed)
+        mp.setattr(tinyvit.training.loop, "save_training_checkpoint", killed)
         with pytest.raises(RuntimeError, match="killed"):
             main([str(a) for a in train_args(data_toml, out)])
     capsys.readouterr()
@@ -133,7 +133,7 @@ def test_a_run_that_died_before_its_first_checkpoint_starts_again_cleanly(tmp_pa
 
 # A process that holds a run folder's lock, as a run does, until its stdin closes or it is killed.
 HOLD = """import sys
-from tinyvit.run_files import RunFolderLock
+from tinyvit.training.run_folder import RunFolderLock
 with RunFolderLock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()

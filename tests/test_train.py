@@ -21,12 +21,15 @@ import pytest
 from helpers import cli, one_line
 
 import tinyvit as tv
-import tinyvit.train
+import tinyvit.evaluation
+import tinyvit.data
+import tinyvit.training.components
+import tinyvit.training.loop
 from tinyvit import io, optim
 from tinyvit.cli import main, read_toml
 from tinyvit.data import Augment, DataLoader, load_dataset
-from tinyvit.finetune import prepare_finetune
-from tinyvit.train import Classification, TrainConfig, train
+from tinyvit.training import prepare_finetune
+from tinyvit.training import Classification, TrainConfig, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +45,7 @@ DATA_ARGS = [arg for key, value in DATA.items() for arg in ("--dataset-arg", f"{
 def _no_progress_bars():
     """tqdm bars would fill the captured stderr the tests read."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tinyvit.train, "_progress_bar", lambda *args: None)
+        mp.setattr(tinyvit.training.loop, "_progress_bar", lambda *args: None)
         yield
 
 
@@ -224,15 +227,15 @@ def test_ema_run_keeps_the_average_as_best_and_the_trained_weights_to_resume(str
     for name, p in best.named_parameters():
         assert np.array_equal(p.numpy(), ema[name]), name
     with tv.no_grad():                       # and the accuracy logged is the average's
-        acc = tinyvit.train.evaluate(best, _test_loader(straight))["acc"]
+        acc = tinyvit.evaluation.evaluate(best, _test_loader(straight))["acc"]
     assert acc == rows[-1]["test_acc"]
 
 
 def _test_loader(run):
     cfg = TrainConfig.from_dict(json.loads((run / "config.json").read_text()))
-    dataset = tinyvit.train.load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
+    dataset = tinyvit.training.load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     return DataLoader(dataset.test_images, dataset.test_labels, cfg.eval_batch_size,
-                      transform=tinyvit.train.make_transforms(cfg, dataset)[1])
+                      transform=tinyvit.training.components.make_transforms(cfg, dataset)[1])
 
 
 def _interrupt_after(monkeypatch, cls, name, calls):
@@ -447,7 +450,7 @@ def test_finetune_new_classes_larger_images_with_ctrl_c_and_resume(trained, tmp_
 # ---------------------------------------------------------------- choosing the model
 
 
-@pytest.mark.parametrize("size, channels, preset", [(28, 1, "vit-mnist/4"), (32, 3, "vit-cifar/4")])
+@pytest.mark.parametrize("size, channels, preset", [(28, 1, "vit-mnist/7"), (32, 3, "vit-cifar/4")])
 def test_default_preset_fits_the_images(tmp_path, capsys, size, channels, preset):
     data = dict(train_size=16, test_size=8, image_size=size, channels=channels, num_classes=10)
     config = toml(tmp_path / "d.toml", dataset=data)

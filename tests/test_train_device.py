@@ -11,7 +11,9 @@ import pytest
 
 import cupy_standin
 from tinyvit import functional as F
-from tinyvit import train as T
+from tinyvit import training as T
+from tinyvit.data import Augment, DataLoader
+from tinyvit.evaluation import evaluate
 
 pytestmark = pytest.mark.skipif(not cupy_standin.available(), reason="the CuPy stand-in takes its names "
                                 "from the cupy package, which is not installed (pip install 'tinyvit[cuda-compile]')")
@@ -64,12 +66,12 @@ def test_training_steps_read_nothing_back_but_the_periodic_check(standin, monkey
 def test_the_data_lives_on_the_device_for_the_whole_run(standin, monkeypatch, tmp_path):
     kinds = []
 
-    class Recording(T.DataLoader):
+    class Recording(DataLoader):
         def __init__(self, images, labels, *args, **kwargs):
             kinds.append((type(images).__module__.split(".")[0], type(labels).__module__.split(".")[0]))
             super().__init__(images, labels, *args, **kwargs)
 
-    monkeypatch.setattr(T, "DataLoader", Recording)
+    monkeypatch.setattr(T.loop, "DataLoader", Recording)
     T.train(_config(tmp_path), progress=False, log=lambda *a: None)
     assert kinds == [("cupy_standin", "cupy_standin")] * 2          # train and test split, both on the device
 
@@ -77,11 +79,11 @@ def test_the_data_lives_on_the_device_for_the_whole_run(standin, monkeypatch, tm
 def test_evaluation_reads_back_once(standin, tmp_path):
     from cupy_standin.array import host_reads
     ds = T.load_data("synthetic", None, dict(num_classes=4, image_size=8, train_size=8, test_size=64))
-    model = T.build_model(_config(tmp_path).resolved(), ds).to(device="cuda")
-    tf = T.Augment(ds.mean, ds.std)
-    loader = T.DataLoader(*T._resident(ds.test_images, ds.test_labels, "cuda"), 8, device="cuda", transform=tf)
+    model = T.Classification().build_model(_config(tmp_path).resolved(), ds).to(device="cuda")
+    tf = Augment(ds.mean, ds.std)
+    loader = DataLoader(*T.components.resident(ds.test_images, ds.test_labels, "cuda"), 8, device="cuda", transform=tf)
     before = host_reads()
-    result = T.evaluate(model, loader)                                 # 8 batches
+    result = evaluate(model, loader)                                   # 8 batches
     assert host_reads() - before <= 4      # loss, correct, predictions, labels: not per batch
     assert result["preds"].shape == (64,) and isinstance(result["preds"], np.ndarray)
 

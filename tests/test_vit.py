@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tinyvit as tv
+from tinyvit.kernels import fusion
 import tinyvit.functional as F
 from tinyvit import nn
 from tinyvit.backend import default_dtype, to_numpy
@@ -256,11 +257,12 @@ def _plain_encoder(model, tokens):
     return F.layer_norm(x, model.norm.weight, model.norm.bias, eps=model.norm.eps)
 
 
-@pytest.mark.parametrize("which", ["encode", "block"])
-def test_fused_encoder_equals_the_plain_equations(which):
-    """The encoder fuses each residual add with the LayerNorm after it and folds the LNs' scale and
-    shift into qkv and fc1 (float64): its output and every parameter's gradient equal Eq. 2-4
-    written with separate ops. "block": Block.forward on its own, then the final norm."""
+@pytest.mark.parametrize("which", ["encode", "block", "fused"])
+def test_encoder_equals_the_plain_equations(which):
+    """ViT.encode (float64, kernels on), its blocks one by one ("block": Block.forward, then the
+    final norm) and the fused encoder of kernels.fuse ("fused": each residual add fused with the
+    LayerNorm after it, the LNs' scale and shift folded into qkv and fc1): the output and every
+    parameter's gradient equal Eq. 2-4 written with separate ops."""
     rng = np.random.default_rng(7)
     results = []
     for plain in (True, False):
@@ -273,6 +275,8 @@ def test_fused_encoder_equals_the_plain_equations(which):
             out = _plain_encoder(model, tokens)
         elif which == "encode":
             out = model.encode(tokens)
+        elif which == "fused":
+            out = fusion.encode(model, tokens)
         else:
             x = tokens
             for block in model.blocks:
@@ -315,10 +319,12 @@ def test_initialisation_follows_the_paper(vit_s):
     assert abs(pos.std() - 0.02) < 0.0005 and abs(pos.mean()) < 0.0005
     assert not to_numpy(m.head.weight.data).any() and not to_numpy(m.head.bias.data).any()
     assert tuple(m.head.weight.shape) == (d, 1000)
-    # patch embedding: LeCun normal (the official conv's default), std 1 / sqrt(C P P); zero bias
+    # patch embedding: LeCun normal (the official conv's default: flax's variance-scaling truncated
+    # normal), std 1 / sqrt(C P P), cut at two standard deviations of the underlying normal; zero bias
     e = to_numpy(m.patch_embed.proj.weight.data)
     assert e.shape == (3 * 16 * 16, d)
     assert abs(e.std() * math.sqrt(3 * 16 * 16) - 1.0) < 0.02
+    assert abs(e).max() <= 2 / 0.87962566103423978 / math.sqrt(3 * 16 * 16) * (1 + 1e-6), "not truncated"
     assert not to_numpy(m.patch_embed.proj.bias.data).any()
     for i, blk in enumerate(m.blocks):
         # q, k, v are separate (D, D) Dense layers in the official code: bound sqrt(6 / (D + D))

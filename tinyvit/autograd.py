@@ -53,7 +53,7 @@ class enable_grad(no_grad):
         _grad_enabled = True
 
 
-def _is_array(x) -> bool:
+def is_array(x) -> bool:
     return isinstance(x, np.ndarray) or backend.is_cupy_array(x)
 
 
@@ -94,13 +94,13 @@ class Function:
         """Run forward on the arrays inside ``args`` and record the graph when a gradient is wanted."""
         fn = cls()
         raw = [a.data if isinstance(a, Tensor) else a for a in args]
-        backend.check_same_device([r for r in raw if _is_array(r)], cls.__name__)
+        backend.check_same_device([r for r in raw if is_array(r)], cls.__name__)
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         record = _grad_enabled and any(needs)
         fn.needs_input_grad = needs if record else (False,) * len(args)
         out = fn.forward(*raw, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
-        outs = tuple(o if _is_array(o) else np.asarray(o) for o in outs)  # a full reduction gives a scalar
+        outs = tuple(o if is_array(o) else np.asarray(o) for o in outs)  # a full reduction gives a scalar
         results = tuple(Tensor._wrap(o, record) for o in outs)
         if record:
             fn.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
@@ -144,7 +144,7 @@ class Tensor:
     def __init__(self, data, requires_grad: bool = False, dtype=None, device=None):
         if isinstance(data, Tensor):
             data = data.data
-        if not _is_array(data):
+        if not is_array(data):
             data = np.asarray(data)
             if data.dtype.kind == "f" and dtype is None:
                 data = data.astype(backend.get_default_dtype())
@@ -287,7 +287,7 @@ class Tensor:
             for t, g, needed in zip(fn.inputs, grads_in, fn.needs_input_grad):
                 if not needed or g is None:   # None: this input's gradient is zero on this path
                     continue
-                if not _is_array(g):     # a NumPy scalar, from arithmetic on 0-d arrays
+                if not is_array(g):     # a NumPy scalar, from arithmetic on 0-d arrays
                     g = np.asarray(g)
                 g = _sum_to_shape(g, t.shape)
                 if g.dtype != t.dtype:

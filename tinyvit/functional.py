@@ -22,7 +22,7 @@ __all__ = [
     "sum", "mean", "max", "reshape", "transpose", "permute", "getitem", "concat", "where",
     "matmul", "linear", "gelu", "softmax", "log_softmax", "cross_entropy", "mse", "layer_norm",
     "group_norm", "weight_standardize", "dropout", "drop_path", "patch_embed",
-    "multi_head_attention", "conv2d", "max_pool2d", "fused_encoder",
+    "multi_head_attention", "conv2d", "max_pool2d"
 ]
 
 
@@ -68,11 +68,3 @@ def multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropou
     kernel = kernel_for("multi_head_attention", x, w_qkv, b_qkv, w_proj, b_proj)
     return attention.multi_head_attention(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout, training,
                                           return_attention, function=kernel)
-
-
-def fused_encoder(tokens, blocks, norm):
-    """The kernel that runs a ViT encoder's ``blocks`` and final ``norm`` as one, fusing across layers
-    (kernels/cpu/encoder.py), or None: kernels off, no kernel for the tokens' module and dtype, or
-    blocks that are not the standard ones (then the caller runs them one by one, the reference)."""
-    kernel = kernel_for("encoder", tokens)
-    return None if kernel is None else kernel(tokens, blocks, norm)

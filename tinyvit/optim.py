@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from . import backend
-from .autograd import Tensor, _is_array
+from .autograd import Tensor, is_array
 from .kernels import kernel_for
 
 # ====================================================================== the optimizer base
@@ -128,7 +128,7 @@ class Optimizer:
         state = self.state.setdefault(id(p), {})
         device = backend.device_of(p.data)
         for key, value in state.items():
-            if _is_array(value) and (value.dtype != p.dtype or backend.device_of(value) != device):
+            if is_array(value) and (value.dtype != p.dtype or backend.device_of(value) != device):
                 state[key] = backend.to_device(value, device).astype(p.dtype, copy=False)
         return state
 
@@ -175,7 +175,7 @@ class Optimizer:
                 value = value.data if isinstance(value, Tensor) else value
                 if key == "step":
                     entry[key] = int(value)
-                elif _is_array(value) and (value.ndim > 0 or p.ndim == 0):
+                elif is_array(value) and (value.ndim > 0 or p.ndim == 0):
                     if tuple(value.shape) != tuple(p.shape):
                         raise ValueError(f"load_state_dict: {key} of parameter {idx} has shape "
                                          f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")

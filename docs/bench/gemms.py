@@ -70,7 +70,7 @@ def record_products(model: str, model_args=None, batch_size: int = 128, seed: in
     calls = collections.Counter()
     cfg = config_for(model, **(model_args or {}))
     images, labels = step.synthetic_batch(cfg, batch_size, "float32", seed)
-    train_step, _, _ = step.tinyvit_step(model, model_args, images, labels, seed=seed, kernels=True)
+    train_step, _, _ = step.tinyvit_step(model, model_args, images, labels, seed=seed, path="fused")
     train_step()
     saved = tinyvit_functions()
 

@@ -23,8 +23,13 @@ other in this process. Per side the record gives:
                        matmul FLOPs) times images_per_s, and that over the peak FLOP/s: ``peak_tflops``
                        when given, else a measured square matmul of the benchmark's dtype.
 
-``readability_price`` (kernels="both") is the reference ops' step time over the kernels'; ``ratio``
-(compare="torch") is tinyvit's step time over PyTorch's (below 1: tinyvit is faster). Timings on a
+tinyvit's sides are its three paths: ``tinyvit_fused`` (what a training run steps: kernels.fuse(model)),
+``tinyvit`` (the model as written, per-op kernels) and ``tinyvit_reference`` (the reference ops
+alone); kernels="on" times the first two, "off" the last, "both" all three.
+``readability_price`` (kernels="both") is the reference ops' step time over the fused step's and
+``fusion_gain`` the per-op step's over the fused one's; with compare="torch" each side's
+``ratio_to_torch`` is its step time over PyTorch's (below 1: tinyvit is faster), ``ratio`` the
+first side's. Timings on a
 shared machine are noisy and depend on what else runs: ``rounds`` > 1 alternates the sides, and the
 record keeps the load average and each side's CPU time per step (CPU time below threads x step
 time means the process waited for the machine). The record also says where and what was measured:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 # how format_report labels the sides (the record's keys are the ones on the left)
-LABELS = {"tinyvit": "tinyvit, kernels on", "tinyvit_reference": "tinyvit, kernels off", "torch": "torch"}
+LABELS = {"tinyvit_fused": "tinyvit, fused", "tinyvit": "tinyvit, per-op kernels",
+          "tinyvit_reference": "tinyvit, reference ops", "torch": "torch"}
 
 
 def side_report(walls, cpus, batch_size, flops_per_image, peak_flops, memory, losses) -> dict:
@@ -57,16 +58,18 @@ def format_report(report: dict) -> str:
         f"commit {(report.get('commit') or 'unknown')[:12]}, {report['date']}; training FLOPs per image "
         f"{report['train_flops_per_image'] / 1e9:.3f} G; peak {report['peak_tflops']:.3f} TFLOP/s "
         f"({report['peak_source']})",
-        f"{'':<21}{'step (median)':>14}{'CPU time':>10}{'images/s':>10}{'peak memory':>13}{'TFLOP/s':>9}{'MFU':>7}",
+        f"{'':<24}{'step (median)':>14}{'CPU time':>10}{'images/s':>10}{'peak memory':>13}{'TFLOP/s':>9}{'MFU':>7}"
+        + (f"{'/ torch':>9}" if "torch" in report else ""),
     ]
     for side in report.get("sides", []):
         r = report[side]
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(f"{LABELS.get(side, side):<21}{r['step_time_s']:>12.3f} s{r['cpu_time_s']:>8.2f} s"
-                     f"{r['images_per_s']:>10.1f}{_mib(r['peak_memory_bytes']):>13}{r['tflops']:>9.3f}{mfu:>7}")
+        versus = f"{r['ratio_to_torch']:>8.2f}x" if "ratio_to_torch" in r else ""
+        lines.append(f"{LABELS.get(side, side):<24}{r['step_time_s']:>12.3f} s{r['cpu_time_s']:>8.2f} s"
+                     f"{r['images_per_s']:>10.1f}{_mib(r['peak_memory_bytes']):>13}{r['tflops']:>9.3f}{mfu:>7}{versus}")
     if "readability_price" in report:
-        lines.append(f"the price of readability (kernels off / kernels on step time): "
-                     f"{report['readability_price']:.2f}x")
+        lines.append(f"the price of readability (reference ops / fused step time): {report['readability_price']:.2f}x;"
+                     f" the fusion's gain (per-op kernels / fused): {report['fusion_gain']:.2f}x")
         if len(report.get("readability_round_ratios", [])) > 1:
             lines.append("  in each round: " + " ".join(f"{r:.2f}x" for r in report["readability_round_ratios"]))
     if "ratio" in report:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .. import backend, optim
+from .. import backend, kernels, optim
 from .. import functional as F
 from ..kernels import use_kernels
 from ..kernels.cpu import threads as cpu_pool
@@ -49,20 +49,29 @@ def sync_of(xp):
     return xp.cuda.get_current_stream().synchronize
 
 
+# tinyvit's three paths: the reference ops alone; the model with its per-op kernels (the default,
+# `model(x)`); and the explicit cross-layer fusion a training run takes (`kernels.fuse(model)`).
+PATHS = ("fused", "kernels", "reference")
+
+
 def tinyvit_step(model: str, model_args, images, labels, *, device="cpu", dtype="float32", seed=0,
-                 kernels: bool = True) -> tuple:
-    """Build tinyvit's side and return (step, sync, losses): step() is one training step with the
-    kernels on (tinyvit.kernels) or off (the reference ops alone), losses collects each step's loss
-    (a device array, read after timing)."""
+                 path: str = "fused") -> tuple:
+    """Build tinyvit's side and return (step, sync, losses): step() is one training step on ``path``
+    (one of PATHS), losses collects each step's loss (a device array, read after timing)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     xp = backend.cupy_module() if device != "cpu" else np
     net = build_model(model, model_args, seed).to(device=device, dtype=dtype).train()
+    kernels_on = path != "reference"
+    with use_kernels(kernels_on):
+        forward = kernels.fuse(net) if path == "fused" else net     # as `tinyvit train` does, in one line
     opt = optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     x, y = backend.to_device(images, device), backend.to_device(labels, device)
     losses = []
 
     def step():
-        with use_kernels(kernels):                      # the switchboard reads it at every op
-            loss = F.cross_entropy(net(x), y)           # forward and loss
+        with use_kernels(kernels_on):                   # the switchboard reads it at every op
+            loss = F.cross_entropy(forward(x), y)       # forward and loss
             opt.zero_grad()
             loss.backward()                             # backward
             opt.step()                                  # AdamW update
@@ -92,8 +101,7 @@ def time_steps(step, sync, steps: int) -> tuple:
 def cpu_threads(n: int):
     """tinyvit on n CPU threads inside the block: NumPy's BLAS (blas_threads) and the kernels'
     element-wise blocks (tinyvit.kernels.cpu.threads). Yields the BLAS thread count in effect."""
-    previous = cpu_pool._num_threads
-    cpu_pool.set_num_threads(n)
+    previous = cpu_pool.set_num_threads(n)
     try:
         with blas_threads(n) as in_effect:
             yield in_effect

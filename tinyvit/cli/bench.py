@@ -1,5 +1,6 @@
-"""`tinyvit bench`: training-step throughput, step time, peak memory and MFU, with the kernels on,
-off or both, optionally against PyTorch; each run a JSON record (--json FILE, --record DIR)."""
+"""`tinyvit bench`: training-step throughput, step time, peak memory and MFU on tinyvit's three paths
+(fused, per-op kernels, reference ops), optionally against PyTorch; each run a JSON record (--json
+FILE, --record DIR)."""
 from __future__ import annotations
 
 import shlex
@@ -58,11 +59,13 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="time the training step (images/s, memory, MFU), kernels on/off, vs PyTorch",
                        description="Time one training step (forward, cross-entropy, backward, AdamW update) on a "
                                    "synthetic batch: median step time over --steps after --warmup steps, images/s, "
-                                   "peak memory and model FLOPs utilisation. --kernels both also runs the reference "
-                                   "ops alone and prints the price of readability (their step time over the "
-                                   "kernels'); --compare torch runs the same model, weights, batch and thread count "
-                                   "in PyTorch eager and prints the ratio. Every run is a JSON record (machine, "
-                                   "date, commit, command, versions, numbers): --json FILE, --record DIR.")
+                                   "peak memory and model FLOPs utilisation, on tinyvit's paths: the fused step a "
+                                   "training run takes (kernels.fuse(model)) and the model as written with its "
+                                   "per-op kernels (--kernels on, the default), the reference ops alone (off), or "
+                                   "all three (both, with the price of readability: the reference's step time over "
+                                   "the fused one's). --compare torch runs the same model, weights, batch and thread "
+                                   "count in PyTorch eager and prints each path's ratio to it. Every run is a JSON "
+                                   "record (machine, date, commit, command, versions, numbers): --json FILE, --record DIR.")
     p.add_argument("--model", default="vit-cifar/4", help="named variant (default vit-cifar/4: dim 192, depth 6, "
                                                           "3 heads, patch 4, 32x32, 10 classes)")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="ViTConfig override (repeatable)")
@@ -76,8 +79,8 @@ def register(sub) -> None:
                    help="CPU threads for NumPy's BLAS, tinyvit's element-wise blocks and torch.set_num_threads "
                         "(default: OPENBLAS_NUM_THREADS or OMP_NUM_THREADS if set, else all cores available)")
     p.add_argument("--kernels", choices=("on", "off", "both"), default=None,
-                   help="tinyvit's step with its kernels (on), with the reference ops alone (off: "
-                        "use_kernels(False)), or both, one after the other, and their ratio (default: on, "
+                   help="on: the fused step and the plain model with its per-op kernels; off: the reference "
+                        "ops alone (use_kernels(False)); both: all three, one after the other (default: on, "
                         "unless TINYVIT_KERNELS=0)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")

@@ -9,8 +9,8 @@ from . import UsageError, add_kernels_flag
 
 def cmd_inspect(args) -> int:
     """Attention rollout per image, attention distance, position-embedding similarity and the
-    principal components of the embedding filters (tinyvit.analysis.inspect_checkpoint)."""
-    from ..analysis import inspect_checkpoint
+    principal components of the embedding filters (tinyvit.evaluation.inspect_checkpoint)."""
+    from ..evaluation import inspect_checkpoint
     if args.components < 1:
         raise UsageError(f"--components must be >= 1, got {args.components}")
     if args.batch_size < 1:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from . import UsageError, add_kernels_flag
-from .train import _add_train_flags, _dataset_args, _run_training, _train_config, _validated, positive
+from .train import _add_train_flags, _dataset_args, _run_training, _train_config, positive
 
 # Flags of `tinyvit train` that mean nothing without labels.
 LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix")
@@ -27,26 +28,25 @@ def _number_list(text: str, cast, what: str) -> list:
 
 def cmd_pretrain(args) -> int:
     """Self-supervised pre-training of a ViT encoder by masked patch prediction."""
-    from ..models.masked import PRETRAIN_DEFAULTS, MaskedPrediction
-    cfg = _train_config(args, defaults=PRETRAIN_DEFAULTS)
+    from ..training import PRETRAIN_RECIPE, MaskedPrediction
+    cfg = _train_config(args, recipe=PRETRAIN_RECIPE)
     task = {"target": args.target, "mask_rate": args.mask_rate, "mask_fraction": args.mask_fraction,
             "random_fraction": args.random_fraction}
     # The task's settings are MaskedConfig fields: they travel in model_args (and so in the run's
     # config.json and checkpoints) like any other model setting.
-    cfg.model_args = {**cfg.model_args, **{k: v for k, v in task.items() if v is not None}}
+    cfg = replace(cfg, model_args={**cfg.model_args, **{k: v for k, v in task.items() if v is not None}})
     if cfg.out is None:
         target = cfg.model_args.get("target", "mean3bit")
-        cfg.out = str(Path("runs") / f"pretrain-{cfg.dataset}-{(cfg.model or 'preset').replace('/', '-')}-{target}")
-    return _run_training(_validated(cfg), objective=MaskedPrediction())
+        cfg = replace(cfg, out=str(Path("runs") / f"pretrain-{cfg.dataset}-{(cfg.model or 'preset').replace('/', '-')}-{target}"))
+    return _run_training(cfg, objective=MaskedPrediction())
 
 
 def cmd_fewshot(args) -> int:
     """Few-shot linear accuracy of a checkpoint's frozen representation, mean and spread over seeds."""
     import numpy as np
 
-    from ..fewshot import extract_features, fewshot_evaluate, fewshot_subsets
-    from ..inference import load_for_inference
-    from ..train import load_data
+    from ..evaluation import extract_features, fewshot_evaluate, fewshot_subsets, load_for_inference
+    from ..training import load_data
     shots = _number_list(args.shots, int, "--shots")
     l2s = _number_list(args.l2, float, "--l2")
     if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
@@ -101,7 +101,7 @@ def _random_model(args, ds):
     """The baseline of a pre-trained checkpoint: the same architecture, untrained (the official
     initialisation, seeded by --seed), sized for the dataset, in eval mode."""
     from .. import backend
-    from ..train import create_for_dataset
+    from ..training.components import create_for_dataset
     from . import model_args
     backend.manual_seed(args.seed)
     model = create_for_dataset(args.random_init, ds, **model_args(args.model_arg))
@@ -115,7 +115,7 @@ def register(sub) -> None:
                        description="Masked patch prediction (section 4.6, appendix B.1.2): corrupt a fraction of "
                                    "the patch embeddings and predict each corrupted patch's target. Labels are "
                                    "never read. Unset flags: the paper's recipe (Adam, lr 2e-4, warmup then "
-                                   "cosine; tinyvit/models/masked.py PRETRAIN_DEFAULTS), then the dataset's. "
+                                   "cosine; tinyvit/training/recipes.py PRETRAIN_RECIPE), then the dataset's. "
                                    "Fine-tune the result with `tinyvit finetune`, probe it with `tinyvit fewshot`.")
     p.add_argument("--target", choices=("mean3bit", "downsized3bit", "pixels-l2"), default=None,
                    help="what to predict for a corrupted patch: its 3-bit mean colour (default, the paper's "

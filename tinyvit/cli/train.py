@@ -5,6 +5,7 @@ import argparse
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..backend import PRECISIONS
@@ -17,10 +18,13 @@ TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "mi
                "eval_batch_size", "train_limit", "test_limit", "time_budget")
 
 
-def _train_config(args, defaults=None):
-    """TrainConfig from: its defaults <- `defaults` (finetune's recipe) <- the TOML file <- flags."""
-    from ..train import TrainConfig
-    settings = dict(defaults or {})
+def _train_config(args, recipe=None):
+    """The run's TrainConfig, resolved (each None filled from the dataset's recipe) and checked once:
+    its defaults <- ``recipe`` (fine-tuning's or pre-training's) <- the TOML file <- flags. A bad
+    value is a usage error, before any data is loaded; notes on the recipe (a short run without its
+    augmentation) are printed."""
+    from ..training import TrainConfig
+    settings = dict(recipe or {})
     if getattr(args, "config", None):
         settings.update(read_toml(args.config))
     for name in TRAIN_FLAGS:
@@ -31,15 +35,21 @@ def _train_config(args, defaults=None):
         settings["time_budget"] = _minutes(settings["time_budget"])
     if getattr(args, "model_arg", None):
         settings["model_args"] = {**settings.get("model_args", {}), **model_args(args.model_arg)}
+    # what still has the recipe's value came from the recipe (a short run may shorten its warmup)
+    settings["from_recipe"] = [k for k, v in (recipe or {}).items() if settings.get(k) is v]
+    notes = []
     try:
-        return TrainConfig.from_dict(settings)
+        cfg = TrainConfig.from_dict(settings).resolved(notes)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    for note in notes:
+        print(note)
+    return cfg
 
 
 def _minutes(text) -> float:
     """--time-budget's argument ("30m", "2h", "90s", "45") in minutes; a usage error otherwise."""
-    from ..budget import parse_duration
+    from ..training.budget import parse_duration
     try:
         return parse_duration(text)
     except ValueError as exc:
@@ -51,15 +61,6 @@ def _duration_flag(text) -> float:
         return _minutes(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--time-budget: ")) from None
-
-
-def _validated(cfg):
-    """cfg, after checking every value (a bad one is a usage error, before any data is loaded)."""
-    try:
-        cfg.resolved()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return cfg
 
 
 def _check_model(cfg) -> None:
@@ -97,12 +98,11 @@ def _run_training(cfg, model=None, objective=None) -> int:
     data-parallel run (mpirun), a status other than 0 ends every rank (tinyvit.cli.main)."""
     from .. import distributed
     from ..kernels.cpu.threads import retain_freed_memory
-    from ..run_files import RunFolderInUse
-    from ..train import TrainingDiverged, train
+    from ..training import RunFolderInUse, TrainingDiverged, train
     retain_freed_memory()             # the same large arrays every step: keep their memory mapped
     try:
         result = train(cfg, model=model, objective=objective)
-    except KeyboardInterrupt as stop:                      # train.Stopped carries SIGTERM's or SIGHUP's number
+    except KeyboardInterrupt as stop:                      # training.Stopped carries SIGTERM's or SIGHUP's number
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except (TrainingDiverged, RunFolderInUse) as exc:
         print(f"tinyvit: {distributed.rank_prefix()}{exc}", file=sys.stderr)
@@ -116,21 +116,20 @@ def _run_training(cfg, model=None, objective=None) -> int:
 
 def cmd_train(args) -> int:
     """Train a ViT from scratch."""
-    cfg = _validated(_train_config(args))
+    cfg = _train_config(args)
     _check_model(cfg)
     return _run_training(cfg)
 
 
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
-    from ..finetune import FINETUNE_DEFAULTS, prepare_finetune
-    from ..train import load_data
-    cfg = _validated(_train_config(args, defaults=FINETUNE_DEFAULTS))
+    from ..training import FINETUNE_RECIPE, load_data, prepare_finetune
+    cfg = _train_config(args, recipe=FINETUNE_RECIPE)
+    if cfg.out is None:
+        cfg = replace(cfg, out=str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}"))
     if cfg.model:
         raise UsageError("--model: finetune takes its model from CHECKPOINT (--model-arg and --drop-path "
                          "change its settings)")
-    if cfg.out is None:
-        cfg.out = str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}")
     if cfg.resume:
         model = None  # the checkpoint in --out has everything
     else:
@@ -143,8 +142,8 @@ def cmd_finetune(args) -> int:
 def cmd_eval(args) -> int:
     """Accuracy, per-class accuracy and confusion matrix of a checkpoint on a dataset's test split."""
     from ..data import Augment, DataLoader
-    from ..inference import check_fits, confusion_matrix, format_report, load_for_inference
-    from ..train import evaluate, load_data
+    from ..evaluation import check_fits, confusion_matrix, evaluate, format_report, load_for_inference
+    from ..training import load_data
     positive(args, "limit", "batch_size")
     dataset_args = _dataset_args(args.dataset_arg)
     model, info = load_for_inference(args.checkpoint, device=args.device)
@@ -168,7 +167,7 @@ def cmd_eval(args) -> int:
 
 def cmd_predict(args) -> int:
     """Top-5 classes with probabilities for image files."""
-    from ..inference import load_for_inference, predict_files
+    from ..evaluation import load_for_inference, predict_files
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     model, info = load_for_inference(args.checkpoint, device=args.device)
@@ -183,7 +182,7 @@ def cmd_predict(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a ViT from scratch (default: CIFAR-10, the small patch-4 preset)",
                        description="Train a ViT. Unset flags come from --config, then from the dataset's recipe "
-                                   "(tinyvit/recipes.py RECIPES).")
+                                   "(tinyvit/training/recipes.py RECIPES).")
     _add_train_flags(p)
     p.set_defaults(func=cmd_train)
 

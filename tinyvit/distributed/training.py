@@ -1,4 +1,4 @@
-"""What tinyvit.train asks of the World: the run's settings checked across the ranks, the objective
+"""What tinyvit.training asks of the World: the run's settings checked across the ranks, the objective
 whose evaluation covers every rank's shard of the test set, and the ranks' own random streams after
 a resume. Each is the identity in a single process."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ def describe(world, cfg) -> str:
 
 
 class AcrossRanks:
-    """An objective (train.Classification, models.masked.MaskedPrediction) whose ``evaluate`` gives
+    """An objective (training.Classification, training.MaskedPrediction) whose ``evaluate`` gives
     every rank the whole test set's loss and accuracy: each rank evaluates its shard of the test
     loader, and the sums (mean times rows) and rows are added over the ranks. So the evaluation takes
     1/N of the time, and every rank takes the same decisions on the result (best checkpoint, a

@@ -5,7 +5,7 @@
     load_arrays(path) -> (arrays, metadata)
     read_header(path) -> ({name: (dtype, shape)}, metadata)    no array read (checks before loading)
 
-Also the small file helpers the other modules share: ``_check_file`` (clear errors for a missing
+Also the small file helpers the other modules share: ``check_file`` (clear errors for a missing
 path, a directory, a pipe or device, or an unreadable file), ``_sniff`` (a file's kind from its
 first bytes) and ``_contiguous``.
 """
@@ -133,13 +133,13 @@ TEMPORARY_NAME = re.compile(r"\..+\.[0-9a-f]{12}\.tmp|\.tmp[A-Za-z0-9]{6}")
 
 def leftover_temporary_files(directory) -> list[str]:
     """The paths of the temporary files killed writes left in ``directory`` (sorted). Only the
-    folder's owner may remove them (a write in progress has the same names): tinyvit.train does, at
+    folder's owner may remove them (a write in progress has the same names): the training loop does, at
     the start of a run, holding the run folder's lock."""
     return sorted(entry.path for entry in os.scandir(directory)
                   if TEMPORARY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False))
 
 
-def _check_file(path: str, what: str = "file") -> None:
+def check_file(path: str, what: str = "file") -> None:
     """Clear errors for a path that cannot be read as a file: missing, a directory, not a regular
     file (reading a named pipe waits for a writer forever, /dev/zero never ends), or unreadable
     (which safetensors would report as missing)."""
@@ -185,7 +185,7 @@ def load_arrays(path) -> tuple[dict, dict]:
     Raises FileNotFoundError naming a missing file, and ValueError("... is truncated or corrupted")
     for a file whose header or length is not valid safetensors."""
     path = os.fspath(path)
-    _check_file(path)
+    check_file(path)
     st = _safetensors()
     try:
         with st.safe_open(path, framework="numpy") as f:        # checks the header against the file
@@ -224,7 +224,7 @@ def read_header(path) -> tuple[dict, dict]:
     file and the arrays must fill it exactly, so the sizes read here are sizes the file really holds
     (a header that claims more is refused as truncated or corrupted, as ``load_arrays`` does)."""
     path = os.fspath(path)
-    _check_file(path)
+    check_file(path)
     st = _safetensors()
     try:
         with st.safe_open(path, framework="numpy") as f:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .arrays import _check_file, _contiguous
+from .arrays import check_file, _contiguous
 from .foreign import _report_unknown, _template_regex, _to_numpy
 
 
@@ -168,7 +168,7 @@ def read_official_npz(path_or_mapping) -> dict:
         arrays = {k: _to_numpy(v) for k, v in path_or_mapping.items()}
     else:
         path = os.fspath(path_or_mapping)
-        _check_file(path, "official .npz checkpoint")
+        check_file(path, "official .npz checkpoint")
         try:
             with np.load(path, allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}

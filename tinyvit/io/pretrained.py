@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from .arrays import _check_file, _sniff, load_arrays
+from .arrays import check_file, _sniff, load_arrays
 from .checkpoint import FORMAT, _check_header_fits, _finish, _model_config, _split_checkpoint
 from .config import (_is_hybrid, config_from_official_npz, config_from_state_dict, config_from_timm_state_dict,
                      hybrid_config_from_state_dict)
@@ -41,7 +41,7 @@ def _read_source(source, hints: dict, timm_name: str | None = None):
         arrays, metadata, where = dict(source), {}, "state dict"
     else:
         where = os.fspath(source)
-        _check_file(where, "pretrained weights")
+        check_file(where, "pretrained weights")
         kind = _sniff(where)
         if kind == "pickle":
             raise ValueError(_PICKLE_HELP.format(path=where))

@@ -2,8 +2,10 @@
 
     kernels/cpu/    NumPy kernels: cache-sized blocks shared among threads, fused neighbours
                     (residual add + LayerNorm, bias + GELU, the attention chain), the optimizer update
-                    of many tensors at once, and the ViT encoder with those fusions across layers
-    kernels/cuda/   CuPy kernels (CUDA C++), filled by the GPU work; none is used yet
+                    of many tensors at once
+    kernels/cuda/   CuPy kernels (CUDA C++), each used once its GPU tests passed (cuda/passed.json)
+    fusion.py       fuse(model): the ViT encoder fused across layers, one explicit step the
+                    training loop takes (never a hidden replacement of the model's code)
 
 ops/, nn/ and models/ never import this package: tinyvit.functional (the switchboard) asks
 ``kernel_for(name, *arrays)`` which implementation to run, and falls back to the reference when it
@@ -68,7 +70,7 @@ class use_kernels:
 
 
 # op name -> "module:attribute" of its CPU kernel, a Function with the reference's signature (or, for
-# "encoder" and "optimizer_step", the function documented in that module).
+# "optimizer_step", the function documented in that module).
 CPU_KERNELS = {
     "linear": "linear:Linear",
     "patch_embed": "linear:PatchEmbed",
@@ -77,7 +79,6 @@ CPU_KERNELS = {
     "gelu_tanh": "gelu:GELUTanh",
     "multi_head_attention": "attention:MultiHeadAttention",
     "optimizer_step": "optim:step",
-    "encoder": "encoder:fused_encoder",
 }
 
 # The CUDA kernels, by the same names (kernels/cuda/); each runs only once kernels/cuda/passed.json
@@ -115,6 +116,13 @@ def kernel_for(name: str, *arrays):
     if where is None or (_enabled != ALL and name not in _cuda_passed()):
         return None
     return _load("cuda", where)
+
+
+def fuse(model):
+    """``forward = kernels.fuse(model)``: the model with its encoder fused across layers, or the model
+    itself when there is nothing to fuse (kernels/fusion.py; like nanoGPT's torch.compile line)."""
+    from .fusion import fuse as fused           # imported on first use: fusion imports the models,
+    return fused(model)                         # which import this package (through tinyvit.functional)
 
 
 def _cuda_passed() -> dict:

@@ -21,18 +21,13 @@ for 32x32 and 28x28 images use a light root (3x3/1 conv, no max-pool) and narrow
 """
 from __future__ import annotations
 
-import math
 import numbers
-import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from .. import functional as F
 from .. import nn
 from . import resnet
-from .variants import SMALL, VIT_SIZES
-from .variants import count_parameters as _vit_count_parameters
-from .variants import forward_flops as _vit_forward_flops
-from .vit import ViT, ViTConfig, normal
+from .vit import ViT, ViTConfig
 
 
 def _as_layout(value):
@@ -143,13 +138,13 @@ class HybridConfig(ViTConfig):
     def count_parameters(self) -> int:
         """The ResNet's parameters plus those of the ViT on its feature map."""
         return (resnet.count_parameters(self.resnet_layers, self.resnet_width_factor, self.in_channels,
-                                        self.resnet_root) + _vit_count_parameters(self.transformer_config()))
+                                        self.resnet_root) + self.transformer_config().count_parameters())
 
     def forward_flops(self) -> int:
         """Multiply-add FLOPs of one image: the ResNet's convolutions plus the ViT on the feature map."""
         return (resnet.forward_flops(self.resnet_layers, self.resnet_width_factor, self.in_channels,
                                      self.resnet_root, self.image_size)
-                + _vit_forward_flops(self.transformer_config()))
+                + self.transformer_config().forward_flops())
 
 
 class HybridEmbed(nn.Module):
@@ -166,7 +161,7 @@ class HybridEmbed(nn.Module):
                                       cfg.resnet_root, cfg.resnet_groups)
         self.proj = nn.Linear(cfg.feature_channels * cfg.patch_size ** 2, cfg.dim)
         # Official: the 'embedding' flax Conv with its default LeCun-normal kernel, zero bias.
-        normal(self.proj.weight, 1.0 / math.sqrt(self.proj.weight.shape[0]))
+        nn.init.lecun_normal_(self.proj.weight)
 
     def forward(self, images):
         shape = tuple(images.shape)
@@ -186,55 +181,3 @@ class HybridViT(ViT):
     @staticmethod
     def make_patch_embed(cfg):
         return HybridEmbed(cfg)
-
-
-# ---------------------------------------------------------------- named hybrids
-
-_NAME = re.compile(r"^(r\d+)(?:x(\d+))?\+vit-(ti|s|b|l|h|cifar|mnist)/(\d+)$")
-
-# The small presets' ResNet: narrow (root 16 channels, stage widths 16, 32, 64 -> 256 features),
-# GroupNorm groups of 2 channels at the root as BiT's (64 channels / 32 groups), and a light root.
-SMALL_RESNET = dict(resnet_width_factor=0.25, resnet_groups=8, resnet_root="light")
-
-
-def config_for(name: str, **overrides) -> HybridConfig:
-    """The HybridConfig of a named hybrid, e.g. "r50+vit-b/16", "r26+vit-s/32", "r14+vit-cifar/4".
-
-    The number after the slash is the pixels per token side: with the R50, /32 keeps the full
-    (3, 4, 6, 3) ResNet (stride 32), /16 removes stage 4 and moves its units into stage 3, (3, 4, 9)
-    (section 4.1, option (ii)); larger multiples add a patch size P > 1 on the feature map."""
-    m = _NAME.match(name.lower())
-    if not m:
-        raise ValueError(f"unknown hybrid model {name!r}; known: {', '.join(known_names())} "
-                         f"(ResNets: {', '.join(resnet.LAYOUTS)}; 'r50x2+...' doubles the width)")
-    depth, width, size, pixels = m.group(1), m.group(2), m.group(3), int(m.group(4))
-    if depth not in resnet.LAYOUTS:
-        raise ValueError(f"unknown ResNet {depth!r} in {name!r}; known: {', '.join(resnet.LAYOUTS)}")
-    if size in VIT_SIZES:
-        dim, vit_depth, heads, mlp = VIT_SIZES[size]
-        base = dict(image_size=224, dim=dim, depth=vit_depth, num_heads=heads, mlp_dim=mlp, resnet_root="bit")
-    else:
-        base = {**SMALL[size], **SMALL_RESNET}
-    base["resnet_width_factor"] = base.get("resnet_width_factor", 1) * (int(width) if width else 1)
-    full = resnet.LAYOUTS[depth]
-    stride = resnet.total_stride(full, base["resnet_root"])
-    if pixels % stride == 0:                                   # (i) the output of stage 4
-        layout, patch = full, pixels // stride
-    elif pixels % (stride // 2) == 0:                          # (ii) stage 4 folded into stage 3
-        layout, patch = resnet.without_last_stage(full), pixels // (stride // 2)
-    else:
-        raise ValueError(f"{name!r}: {depth.upper()}'s feature map has {stride // 2} (stage 4 moved into stage 3) "
-                         f"or {stride} pixels per position; the number after the slash must be a multiple of "
-                         f"{stride // 2}")
-    cfg = HybridConfig(patch_size=patch, resnet_layers=layout, **base)
-    return replace(cfg, **overrides)
-
-
-def known_names():
-    return ["r50+vit-b/16", "r50+vit-b/32", "r50+vit-l/16", "r50+vit-l/32", "r26+vit-s/32", "r26+vit-b/32",
-            "r14+vit-cifar/4", "r14+vit-mnist/4"]
-
-
-def create(name: str, **overrides) -> HybridViT:
-    """Build a named hybrid; keyword arguments override config fields (num_classes=10, ...)."""
-    return HybridViT(config_for(name, **overrides))

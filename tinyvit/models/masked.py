@@ -16,10 +16,9 @@ counting only the chosen patches (B.1.2 tried all three and reports option 1):
     "pixels-l2"      the whole patch (the normalised pixels the model sees) by L2 regression
 
 Colour targets are computed on pixels in [0, 1]; the training data arrive normalised with the
-dataset's mean and std, so :class:`MaskedPrediction` (the objective ``tinyvit.train.train`` runs)
-undoes that first. After pre-training, ``to_vit()`` gives the encoder as a plain ViT (for
-fine-tuning or few-shot evaluation). The paper's recipe (B.1.2): Adam, base lr 2e-4, 10k warmup
-steps then cosine decay, 1M steps (about 14 epochs of JFT) at batch size 4096: ``PRETRAIN_DEFAULTS``.
+dataset's mean and std, so the pre-training objective (tinyvit.training.MaskedPrediction) undoes
+that first. After pre-training, ``to_vit()`` gives the encoder as a plain ViT (for fine-tuning or
+few-shot evaluation). The paper's recipe (B.1.2) is tinyvit.training.recipes.PRETRAIN_RECIPE.
 """
 from __future__ import annotations
 
@@ -33,20 +32,11 @@ from .. import functional as F
 from .. import nn
 from ..autograd import Tensor, no_grad
 from ..backend import get_array_module, get_default_dtype
-from .vit import ViT, ViTConfig, is_number, normal
+from .vit import ViT, ViTConfig, is_number
 
 TARGETS = ("mean3bit", "downsized3bit", "pixels-l2")
 COLOURS = 512          # 3 bits for each of r, g, b
 DOWNSIZED = 4          # "a 4 x 4 downsized version of the 16 x 16 patch"
-
-# Appendix B.1.2's optimiser settings, in TrainConfig's terms. "1M steps (ca. 14 epochs) ... warmup
-# of 10k steps" -> 14 epochs with 0.14 of an epoch of warmup. B.1.2 names no weight decay (B.1's 0.1
-# is for supervised pre-training), so none; batch size 4096 does not fit a small machine, so the
-# dataset's recipe batch size is used, with the paper's learning rate unscaled. No augmentation.
-PRETRAIN_DEFAULTS = dict(optimizer="adam", lr=2e-4, weight_decay=0.0, epochs=14, warmup_epochs=0.14,
-                         label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0,
-                         crop_padding=0, flip=False, drop_path=0.0)
-
 
 # ====================================================================== the configuration
 
@@ -261,8 +251,7 @@ class MaskedPatchViT(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.vit = ViT(cfg.encoder_config())
-        self.mask_token = nn.Parameter(np.zeros(cfg.dim, get_default_dtype()))   # (D,), like a patch embedding
-        normal(self.mask_token, 0.02)
+        self.mask_token = nn.init.normal_(nn.Parameter(np.zeros(cfg.dim, get_default_dtype())), std=0.02)  # (D,)
         self.head = nn.Linear(cfg.dim, math.prod(cfg.target_shape))
         self.head.weight.data[...] = 0.0      # zero-initialised as the paper's heads: the first loss is log 512
         self.head.bias.data[...] = 0.0
@@ -304,6 +293,10 @@ class MaskedPatchViT(nn.Module):
         targets (M, ...)) for the M = B * round(rate * N) chosen patches: mean cross-entropy for the
         colour targets, mean squared error for pixels-l2."""
         out, kind = self.encode_corrupted(images, rng)                        # (B, prefix + N, D), (B, N)
+        return self.loss_of(out, kind, targets)
+
+    def loss_of(self, out, kind, targets):
+        """``loss`` from the encoder's output tokens out (B, prefix + N, D) and the corruption kind (B, N)."""
         xp = get_array_module(kind)
         rows, cols = xp.nonzero(kind > 0)                                      # (M,), (M,)
         chosen = out[rows, cols + self.config.num_prefix_tokens]               # (M, D)
@@ -335,91 +328,3 @@ class MaskedPatchViT(nn.Module):
         if unexpected or any(not k.startswith("head.") for k in missing):
             raise RuntimeError(f"to_vit: the encoder does not fit a ViT (missing {missing}, unexpected {unexpected})")
         return vit.train(self.training)
-
-
-# ====================================================================== the training objective
-
-
-class MaskedPrediction:
-    """The objective ``tinyvit.train.train`` minimises for self-supervised pre-training: the same
-    methods as ``tinyvit.train.Classification`` (build_model, check, step, evaluate). Labels are
-    never read. "acc" is the accuracy of the masked-patch predictions (for pixels-l2: whether the
-    regressed patch has the right 3-bit mean colour).
-
-    mean, std: the normalisation the data pipeline applied (per channel); ``check`` takes them from
-    the dataset when training through ``train``."""
-    name = "masked-patch-prediction"
-
-    def __init__(self, mean=None, std=None, eval_seed: int = 0):
-        self.mean, self.std, self.eval_seed = mean, std, eval_seed
-
-    def build_model(self, cfg, dataset):
-        """A MaskedPatchViT: the named ViT (or the preset for the images) as encoder, sized for the
-        data, with cfg.model_args overriding ViTConfig and MaskedConfig fields (target=..., mask_rate=...)."""
-        from ..recipes import PRESET_BY_SHAPE
-        from .variants import config_for
-        name = cfg.model or PRESET_BY_SHAPE.get((dataset.image_size, dataset.channels))
-        if name is None:
-            raise ValueError(f"no preset fits {dataset.channels}-channel {dataset.image_size}x{dataset.image_size} "
-                             f"images; pass --model (see `tinyvit models`) and --model-arg image_size=...")
-        base = config_for(name, image_size=dataset.image_size, in_channels=dataset.channels, num_classes=0,
-                          drop_path=cfg.drop_path)
-        settings = {f.name: getattr(base, f.name) for f in fields(ViTConfig)}
-        settings.update(cfg.model_args)
-        return MaskedPatchViT(MaskedConfig.from_dict(settings))
-
-    def check(self, model, dataset) -> None:
-        """The images must fit the model; remember the dataset's normalisation (targets need [0, 1] pixels)."""
-        cfg = model.config
-        if not isinstance(model, MaskedPatchViT):
-            raise ValueError(f"masked patch prediction needs a MaskedPatchViT, got {type(model).__name__}")
-        if (dataset.channels, dataset.image_size) != (cfg.in_channels, cfg.image_size):
-            raise ValueError(f"the model takes {cfg.in_channels}x{cfg.image_size}x{cfg.image_size} images but "
-                             f"{dataset.name} has {dataset.channels}x{dataset.image_size}x{dataset.image_size}")
-        self.mean, self.std = tuple(dataset.mean), tuple(dataset.std)
-
-    def pixels(self, x):
-        """Undo the data pipeline's normalisation: (B, C, H, W) normalised -> pixels in [0, 1]."""
-        if self.mean is None or self.std is None:
-            raise ValueError("MaskedPrediction needs the data's mean and std to recover [0, 1] pixels: "
-                             "pass them, or call check(model, dataset) first")
-        xp = get_array_module(x)
-        mean = xp.asarray(self.mean, dtype=x.dtype).reshape(1, -1, 1, 1)
-        std = xp.asarray(self.std, dtype=x.dtype).reshape(1, -1, 1, 1)
-        return xp.clip(x * std + mean, 0.0, 1.0)
-
-    def targets(self, model, x):
-        """Every patch's target for the normalised batch x (B, C, H, W)."""
-        return make_targets(model.config.target, self.pixels(x), x, model.config.patch_size)
-
-    def _correct(self, model, pred, target):
-        """Fraction of right predictions among the chosen patches (a device scalar)."""
-        if model.config.target != "pixels-l2":
-            return (pred.data.argmax(axis=-1) == target).mean()
-        cfg, xp = model.config, get_array_module(target)
-        c = cfg.in_channels
-        mean = xp.asarray(self.mean, dtype=target.dtype)
-        std = xp.asarray(self.std, dtype=target.dtype)
-
-        def colour(flat):                                    # (M, C*P*P) normalised -> (M,) 3-bit mean
-            return quantize_3bit(xp.clip(flat.reshape(len(flat), c, -1).mean(axis=-1) * std + mean, 0, 1))
-        return (colour(pred.data) == colour(target)).mean()
-
-    def step(self, model, x, y):
-        """-> (loss Tensor, correct predictions counted per image as a device scalar). y is ignored."""
-        loss, pred, target = model.loss(x, self.targets(model, x))
-        return loss, self._correct(model, pred, target) * x.shape[0]
-
-    def evaluate(self, model, loader) -> dict:
-        """Mean loss and accuracy over a loader, eval mode, no graph; the same corruption every call
-        (a generator seeded with eval_seed), so that epochs are compared on the same task."""
-        model.eval()
-        rng = np.random.default_rng(self.eval_seed)
-        total_loss, correct, seen = 0.0, 0.0, 0
-        with no_grad():
-            for x, _ in loader:
-                loss, pred, target = model.loss(x, self.targets(model, x), rng=rng)
-                total_loss += float(loss.item()) * len(x)
-                correct += float(self._correct(model, pred, target)) * len(x)
-                seen += len(x)
-        return {"loss": total_loss / max(seen, 1), "acc": correct / max(seen, 1)}

@@ -1,11 +1,13 @@
-"""Named models: the paper's Table 1 (and ViT-Ti/S of DeiT), plus small presets for 32x32 and 28x28
-images, with parameter counts and FLOPs computed from the config alone (no arrays allocated).
-Names with a "+" are hybrids (a ResNet feature map as tokens, "r50+vit-b/16"): models/hybrid.py."""
+"""Named models: the paper's Table 1 (and ViT-Ti/S of DeiT), small presets for 32x32 and 28x28
+images, and the hybrids of section 3.1 ("r50+vit-b/16": a ResNet's feature map as tokens), with
+parameter counts and FLOPs computed from the config alone (no arrays allocated)."""
 from __future__ import annotations
 
 import re
 from dataclasses import replace
 
+from . import resnet
+from .hybrid import HybridConfig, HybridViT
 from .vit import ViT, ViTConfig
 
 # Table 1 of the paper (ViT-Base, Large, Huge) and the smaller widths of DeiT (Touvron et al. 2021).
@@ -25,15 +27,24 @@ SMALL = {
     "mnist": dict(image_size=28, in_channels=1, num_classes=10, dim=128, depth=4, num_heads=4, mlp_dim=256),
 }
 
+VIT_NAMES = ["vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-l/32", "vit-h/14",
+             "vit-cifar/4", "vit-cifar/2", "vit-mnist/4", "vit-mnist/2"]
+HYBRID_NAMES = ["r50+vit-b/16", "r50+vit-b/32", "r50+vit-l/16", "r50+vit-l/32", "r26+vit-s/32", "r26+vit-b/32",
+                "r14+vit-cifar/4", "r14+vit-mnist/4"]
+
 _NAME = re.compile(r"^vit-(ti|s|b|l|h|cifar|mnist)/(\d+)$")
+_HYBRID_NAME = re.compile(r"^(r\d+)(?:x(\d+))?\+vit-(ti|s|b|l|h|cifar|mnist)/(\d+)$")
+
+# The small presets' ResNet: narrow (root 16 channels, stage widths 16, 32, 64 -> 256 features),
+# GroupNorm groups of 2 channels at the root as BiT's (64 channels / 32 groups), and a light root.
+SMALL_RESNET = dict(resnet_width_factor=0.25, resnet_groups=8, resnet_root="light")
 
 
 def config_for(name: str, **overrides) -> ViTConfig:
     """The ViTConfig of a named variant, e.g. "vit-b/16", "vit-l/32", "vit-cifar/4", "vit-mnist/2";
-    for a hybrid ("r50+vit-b/16") its HybridConfig."""
+    for a hybrid ("r50+vit-b/16") its HybridConfig. Keyword arguments override config fields."""
     if "+" in name:
-        from . import hybrid
-        return hybrid.config_for(name, **overrides)
+        return hybrid_config_for(name, **overrides)
     m = _NAME.match(name.lower())
     if not m:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(known_names())} "
@@ -47,64 +58,58 @@ def config_for(name: str, **overrides) -> ViTConfig:
     return replace(cfg, **overrides)
 
 
-def known_names():
-    from .hybrid import known_names as hybrid_names
-    return ["vit-ti/16", "vit-s/16", "vit-b/16", "vit-b/32", "vit-l/16", "vit-l/32", "vit-h/14",
-            "vit-cifar/4", "vit-cifar/2", "vit-mnist/4", "vit-mnist/2"] + hybrid_names()
+def hybrid_config_for(name: str, **overrides) -> HybridConfig:
+    """The HybridConfig of a named hybrid, e.g. "r50+vit-b/16", "r26+vit-s/32", "r14+vit-cifar/4".
+
+    The number after the slash is the pixels per token side: with the R50, /32 keeps the full
+    (3, 4, 6, 3) ResNet (stride 32), /16 removes stage 4 and moves its units into stage 3, (3, 4, 9)
+    (section 4.1, option (ii)); larger multiples add a patch size P > 1 on the feature map."""
+    m = _HYBRID_NAME.match(name.lower())
+    if not m:
+        raise ValueError(f"unknown hybrid model {name!r}; known: {', '.join(HYBRID_NAMES)} "
+                         f"(ResNets: {', '.join(resnet.LAYOUTS)}; 'r50x2+...' doubles the width)")
+    depth, width, size, pixels = m.group(1), m.group(2), m.group(3), int(m.group(4))
+    if depth not in resnet.LAYOUTS:
+        raise ValueError(f"unknown ResNet {depth!r} in {name!r}; known: {', '.join(resnet.LAYOUTS)}")
+    if size in VIT_SIZES:
+        dim, vit_depth, heads, mlp = VIT_SIZES[size]
+        base = dict(image_size=224, dim=dim, depth=vit_depth, num_heads=heads, mlp_dim=mlp, resnet_root="bit")
+    else:
+        base = {**SMALL[size], **SMALL_RESNET}
+    base["resnet_width_factor"] = base.get("resnet_width_factor", 1) * (int(width) if width else 1)
+    full = resnet.LAYOUTS[depth]
+    stride = resnet.total_stride(full, base["resnet_root"])
+    if pixels % stride == 0:                                   # (i) the output of stage 4
+        layout, patch = full, pixels // stride
+    elif pixels % (stride // 2) == 0:                          # (ii) stage 4 folded into stage 3
+        layout, patch = resnet.without_last_stage(full), pixels // (stride // 2)
+    else:
+        raise ValueError(f"{name!r}: {depth.upper()}'s feature map has {stride // 2} (stage 4 moved into stage 3) "
+                         f"or {stride} pixels per position; the number after the slash must be a multiple of "
+                         f"{stride // 2}")
+    cfg = HybridConfig(patch_size=patch, resnet_layers=layout, **base)
+    return replace(cfg, **overrides)
+
+
+def known_names() -> list:
+    return VIT_NAMES + HYBRID_NAMES
 
 
 def create(name: str, **overrides) -> ViT:
-    """Build a named model; keyword arguments override config fields (num_classes=10, ...)."""
-    if "+" in name:
-        from .hybrid import create as create_hybrid
-        return create_hybrid(name, **overrides)
-    return ViT(config_for(name, **overrides))
+    """Build a named model (a ViT, or a HybridViT for a hybrid's name); keyword arguments override
+    config fields (num_classes=10, ...)."""
+    cfg = config_for(name, **overrides)
+    return HybridViT(cfg) if isinstance(cfg, HybridConfig) else ViT(cfg)
 
 
 def count_parameters(cfg: ViTConfig) -> int:
-    """Number of parameters of ViT(cfg), computed from the config (matches the built model).
-    A config with its own ``count_parameters`` method (HybridConfig: ResNet + ViT) is asked."""
-    if hasattr(cfg, "count_parameters"):
-        return cfg.count_parameters()
-    d, c, p = cfg.dim, cfg.in_channels, cfg.patch_size
-    n = cfg.num_patches
-    total = (c * p * p + 1) * d                                     # patch embedding E and bias
-    total += d if cfg.pool == "token" else 0                        # class token
-    if cfg.posemb == "learned-1d":
-        total += (n + cfg.num_prefix_tokens) * d
-    elif cfg.posemb == "learned-2d":
-        total += 2 * cfg.grid_size * (d // 2)
-    per_block = 4 * d                                               # two LayerNorms
-    per_block += d * 3 * d + (3 * d if cfg.qkv_bias else 0)         # qkv
-    per_block += d * d + d                                          # output projection
-    per_block += 2 * d * cfg.mlp_dim + cfg.mlp_dim + d              # MLP
-    total += cfg.depth * per_block + 2 * d                          # blocks, final norm
-    width = d
-    if cfg.representation_size:
-        total += d * cfg.representation_size + cfg.representation_size
-        width = cfg.representation_size
-    if cfg.num_classes:
-        total += width * cfg.num_classes + cfg.num_classes
-    return total
+    """Number of parameters of the model cfg builds (cfg.count_parameters())."""
+    return cfg.count_parameters()
 
 
 def forward_flops(cfg: ViTConfig) -> int:
-    """Multiply-add FLOPs (2 per MAC) of one image's forward pass: every matmul, attention included;
-    element-wise ops are ignored, as is usual. A config with its own ``forward_flops`` is asked."""
-    if hasattr(cfg, "forward_flops"):
-        return cfg.forward_flops()
-    d, t = cfg.dim, cfg.num_patches + cfg.num_prefix_tokens
-    flops = 2 * cfg.num_patches * cfg.in_channels * cfg.patch_size ** 2 * d   # patch embedding
-    per_block = 2 * t * d * 3 * d          # qkv
-    per_block += 2 * 2 * t * t * d         # q k^T and A v over all heads
-    per_block += 2 * t * d * d             # output projection
-    per_block += 2 * 2 * t * d * cfg.mlp_dim
-    flops += cfg.depth * per_block
-    width = d
-    if cfg.representation_size:
-        flops += 2 * d * cfg.representation_size
-        width = cfg.representation_size
-    return flops + 2 * width * cfg.num_classes
+    """Multiply-add FLOPs of one image's forward pass (cfg.forward_flops())."""
+    return cfg.forward_flops()
 
 
 def training_flops(cfg: ViTConfig) -> int:

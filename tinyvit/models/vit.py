@@ -9,7 +9,6 @@ vision_transformer, vit_jax/models_vit.py) and say so.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, fields
 
@@ -17,7 +16,7 @@ import numpy as np
 
 from .. import functional as F
 from .. import nn
-from ..backend import get_array_module, get_default_dtype, rng
+from ..backend import get_array_module, get_default_dtype
 from .posemb import sincos_2d
 
 POOLS = ("token", "gap")
@@ -109,6 +108,45 @@ class ViTConfig:
     def num_prefix_tokens(self) -> int:
         return 1 if self.pool == "token" else 0
 
+    def count_parameters(self) -> int:
+        """Number of parameters of ViT(self), computed from the config (matches the built model)."""
+        d, c, p = self.dim, self.in_channels, self.patch_size
+        n = self.num_patches
+        total = (c * p * p + 1) * d                                     # patch embedding E and bias
+        total += d if self.pool == "token" else 0                        # class token
+        if self.posemb == "learned-1d":
+            total += (n + self.num_prefix_tokens) * d
+        elif self.posemb == "learned-2d":
+            total += 2 * self.grid_size * (d // 2)
+        per_block = 4 * d                                               # two LayerNorms
+        per_block += d * 3 * d + (3 * d if self.qkv_bias else 0)         # qkv
+        per_block += d * d + d                                          # output projection
+        per_block += 2 * d * self.mlp_dim + self.mlp_dim + d              # MLP
+        total += self.depth * per_block + 2 * d                          # blocks, final norm
+        width = d
+        if self.representation_size:
+            total += d * self.representation_size + self.representation_size
+            width = self.representation_size
+        if self.num_classes:
+            total += width * self.num_classes + self.num_classes
+        return total
+
+    def forward_flops(self) -> int:
+        """Multiply-add FLOPs (2 per MAC) of one image's forward pass: every matmul, attention included;
+        element-wise ops are ignored, as is usual."""
+        d, t = self.dim, self.num_patches + self.num_prefix_tokens
+        flops = 2 * self.num_patches * self.in_channels * self.patch_size ** 2 * d   # patch embedding
+        per_block = 2 * t * d * 3 * d          # qkv
+        per_block += 2 * 2 * t * t * d         # q k^T and A v over all heads
+        per_block += 2 * t * d * d             # output projection
+        per_block += 2 * 2 * t * d * self.mlp_dim
+        flops += self.depth * per_block
+        width = d
+        if self.representation_size:
+            flops += 2 * d * self.representation_size
+            width = self.representation_size
+        return flops + 2 * width * self.num_classes
+
     @classmethod
     def from_dict(cls, d: dict) -> "ViTConfig":
         known = {f.name for f in fields(cls)}
@@ -116,22 +154,6 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"unknown ViTConfig fields: {sorted(unknown)}")
         return cls(**d)
-
-
-# ---------------------------------------------------------------- initialisers (official code's)
-
-
-def _uniform(param, bound):
-    param.data[...] = rng().uniform(-bound, bound, param.shape)
-
-
-def xavier_uniform(param, fan_in, fan_out):
-    """U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio 2010)."""
-    _uniform(param, math.sqrt(6.0 / (fan_in + fan_out)))
-
-
-def normal(param, std):
-    param.data[...] = rng().normal(0.0, std, param.shape)
 
 
 # ---------------------------------------------------------------- building blocks
@@ -146,7 +168,7 @@ class PatchEmbed(nn.Module):
         self.image_size, self.patch_size, self.in_channels = image_size, patch_size, in_channels
         self.proj = nn.Linear(in_channels * patch_size * patch_size, dim)
         # The official code's embedding is a flax Conv with its default LeCun-normal kernel init.
-        normal(self.proj.weight, 1.0 / math.sqrt(self.proj.weight.shape[0]))
+        nn.init.lecun_normal_(self.proj.weight)
 
     def forward(self, images):
         shape = tuple(images.shape)
@@ -157,7 +179,8 @@ class PatchEmbed(nn.Module):
 
 class Block(nn.Module):
     """One encoder layer, pre-norm (Eq. 2 and 3):  x = x + MSA(LN(x));  x = x + MLP(LN(x)).
-    x: (B, N, D) -> (B, N, D). drop_path (stochastic depth) is off in the paper; DeiT/timm use it."""
+    x: (B, N, D) -> (B, N, D). drop_path (stochastic depth) is off in the paper; DeiT/timm use it.
+    The layers initialise themselves as the official code does (nn/layers.py says how)."""
 
     def __init__(self, cfg: ViTConfig, drop_path: float):
         super().__init__()
@@ -167,19 +190,11 @@ class Block(nn.Module):
         self.drop_path = nn.DropPath(drop_path)
         self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.ln_eps)
         self.mlp = nn.MLP(cfg.dim, cfg.mlp_dim, dropout=cfg.dropout, approximate=cfg.gelu_approximate)
-        # Official init: attention kernels Xavier-uniform with zero bias; q, k and v are separate
-        # (D, D) kernels there, so our fused (D, 3D) qkv uses fan_out = D, not 3D (as timm does).
-        xavier_uniform(self.attn.qkv.weight, cfg.dim, cfg.dim)
-        xavier_uniform(self.attn.proj.weight, cfg.dim, cfg.dim)
-        # MLP: Xavier-uniform kernels, biases N(0, 1e-6) ("near zero", official MlpBlock).
-        for fc in (self.mlp.fc1, self.mlp.fc2):
-            xavier_uniform(fc.weight, *fc.weight.shape)
-            normal(fc.bias, 1e-6)
 
     def forward(self, x, return_attention=False):
         """x: (B, N, D) -> (B, N, D) [, the attention weights A: (B, H, N, N)]."""
         h = self.attn(self.norm1(x), return_attention=return_attention)
-        h, attn = h if return_attention else (h, None)           # A only when asked (a GPU kernel skips it)
+        h, attn = h if return_attention else (h, None)           # A only when asked (a kernel can skip it)
         x = x + self.drop_path(h)                                # Eq. 2: z'_l = MSA(LN(z_{l-1})) + z_{l-1}
         x = x + self.drop_path(self.mlp(self.norm2(x)))          # Eq. 3: z_l = MLP(LN(z'_l)) + z'_l
         return (x, attn) if return_attention else x
@@ -191,7 +206,7 @@ class PreLogits(nn.Module):
     def __init__(self, dim, representation_size):
         super().__init__()
         self.fc = nn.Linear(dim, representation_size)
-        normal(self.fc.weight, 1.0 / math.sqrt(dim))  # flax Dense default (LeCun normal), zero bias
+        nn.init.lecun_normal_(self.fc.weight)         # flax Dense default (LeCun normal), zero bias
 
     def forward(self, x):
         return F.tanh(self.fc(x))
@@ -220,13 +235,11 @@ class ViT(nn.Module):
             self.cls_token = nn.Parameter(np.zeros((1, 1, d), dtype))          # x_class, zeros
         gh = gw = cfg.grid_size
         if cfg.posemb == "learned-1d":  # E_pos in R^{(N+1) x D}, N(0, 0.02) as the official code
-            self.pos_embed = nn.Parameter(np.zeros((1, cfg.num_prefix_tokens + gh * gw, d), dtype))
-            normal(self.pos_embed, 0.02)
+            self.pos_embed = nn.init.normal_(nn.Parameter(np.zeros((1, cfg.num_prefix_tokens + gh * gw, d), dtype)),
+                                             std=0.02)
         elif cfg.posemb == "learned-2d":  # appendix D.4: an X and a Y table of D/2 each
-            self.pos_embed_row = nn.Parameter(np.zeros((gh, d // 2), dtype))
-            self.pos_embed_col = nn.Parameter(np.zeros((gw, d // 2), dtype))
-            normal(self.pos_embed_row, 0.02)
-            normal(self.pos_embed_col, 0.02)
+            self.pos_embed_row = nn.init.normal_(nn.Parameter(np.zeros((gh, d // 2), dtype)), std=0.02)
+            self.pos_embed_col = nn.init.normal_(nn.Parameter(np.zeros((gw, d // 2), dtype)), std=0.02)
         self.pos_drop = nn.Dropout(cfg.dropout)
         # Stochastic depth grows linearly with depth (DeiT/timm); 0 everywhere by default.
         rates = np.linspace(0.0, cfg.drop_path, cfg.depth) if cfg.depth > 1 else [cfg.drop_path]
@@ -301,22 +314,16 @@ class ViT(nn.Module):
         return self.pos_drop(tokens)
 
     # ----- Eq. 2-4 -----
-    def encode(self, tokens, return_attention=False, num_outputs=None):
+    def encode(self, tokens, return_attention=False):
         """The L blocks (Eq. 2-3) and the final LayerNorm (Eq. 4). (B, T, D) -> (B, T, D)
-        [, list of each block's attention weights (B, H, T, T)].
-        num_outputs: return only the first ``num_outputs`` tokens' outputs, (B, num_outputs, D) (the
-        head reads only the class token): the reference computes them all, the fused kernel computes
-        only those in the last block. None: all T."""
-        fused = F.fused_encoder(tokens, self.blocks, self.norm)      # kernels/cpu/encoder.py, or None
-        if fused is not None:
-            return fused(tokens, return_attention=return_attention, num_outputs=num_outputs)
+        [, list of each block's attention weights (B, H, T, T)]."""
         x, attentions = tokens, []
         for block in self.blocks:
             x = block(x, return_attention=return_attention)
             if return_attention:
                 x, attn = x
                 attentions.append(attn)
-        x = self.norm(x if num_outputs is None else x[:, :num_outputs])
+        x = self.norm(x)
         return (x, attentions) if return_attention else x
 
     def pool(self, tokens):
@@ -329,9 +336,7 @@ class ViT(nn.Module):
     def forward_features(self, images, return_attention=False):
         """images (B, C, H, W) -> the representation y (B, D) [, attentions]."""
         tokens = self.add_position(self.embed_patches(images))                 # z_0, Eq. 1
-        # With the class token, the head reads only the first output of the encoder.
-        num_outputs = 1 if self.config.pool == "token" else None
-        out = self.encode(tokens, return_attention=return_attention, num_outputs=num_outputs)
+        out = self.encode(tokens, return_attention=return_attention)           # Eq. 2-4
         if return_attention:
             return self.pool(out[0]), out[1]
         return self.pool(out)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import backend
-from ..autograd import Tensor, _is_array
+from ..autograd import Tensor, is_array
 
 
 class Parameter(Tensor):
@@ -28,7 +28,7 @@ class Parameter(Tensor):
     def __init__(self, data, requires_grad: bool = True):
         if isinstance(data, Tensor):
             data = data.data
-        if not _is_array(data):
+        if not is_array(data):
             data = np.asarray(data)
             if data.dtype.kind in "iub":
                 raise TypeError(f"Parameter needs floating-point data, got {data.dtype}")
@@ -125,7 +125,7 @@ class Module:
         """Register a state array that is not trained (an array, a Tensor or None) under ``name``.
 
         Buffers move with ``to()`` and, when persistent, are saved in ``state_dict()``."""
-        if value is not None and not (_is_array(value) or isinstance(value, Tensor)):
+        if value is not None and not (is_array(value) or isinstance(value, Tensor)):
             raise TypeError(f"register_buffer: {name!r} must be an array, a Tensor or None, got {type(value).__name__}")
         self._forget(name)
         self._buffers[name] = value
@@ -261,7 +261,7 @@ class Module:
             if shape != tuple(dest.shape):
                 mismatched.append(f"{name}: checkpoint shape {shape} != model shape {tuple(dest.shape)}")
                 continue
-            if not _is_array(value):
+            if not is_array(value):
                 value = np.asarray(value)
             value = backend.to_device(value, backend.device_of(dest))
             xp = backend.get_array_module(dest)

@@ -1,5 +1,5 @@
 """LayerNorm on the CPU, fast: the same numbers as ops/norm.py's LayerNorm, plus the two fusions
-the ViT encoder uses across layers (kernels/cpu/encoder.py):
+the ViT encoder uses across layers (kernels/fusion.py, kernels.fuse):
 
     LayerNorm        both passes over cache-sized blocks of rows shared among threads, temporaries in
                      per-thread scratch arrays, outputs on 64-byte cache lines (kernels/cpu/threads.py)

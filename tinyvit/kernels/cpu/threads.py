@@ -57,12 +57,14 @@ def get_num_threads() -> int:
         return os.cpu_count() or 1
 
 
-def set_num_threads(n) -> None:
-    """Share the element-wise blocks among n threads (None: one per available core)."""
+def set_num_threads(n):
+    """Share the element-wise blocks among n threads (None: one per available core). Returns the
+    setting it replaces, to restore later."""
     global _num_threads
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ValueError(f"set_num_threads: need a positive number of threads or None, got {n!r}")
-    _num_threads = n
+    previous, _num_threads = _num_threads, n
+    return previous
 
 
 # glibc's mallopt parameters (malloc.h).

@@ -1,32 +1,57 @@
-"""What a run is: the default recipes per dataset and TrainConfig, every knob of a run (the CLI
-flags and the TOML --config file map onto its fields). tinyvit.train runs one.
+"""What a run is: the recipes (per dataset, for fine-tuning and for pre-training) and TrainConfig,
+every knob of a run (the CLI flags and the TOML --config file map onto its fields). Each default is
+written here once. tinyvit.training.train runs one.
 """
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
-from . import backend, budget
+from .. import backend
 
-# Default recipes per dataset. CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision
-# Transformer for Small-Size Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs
-# then cosine, label smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment-style policy, random erasing
-# 0.25, stochastic depth 0.1), run for 200 epochs since our default model is smaller than theirs.
-CIFAR_RECIPE = dict(model="vit-cifar/4", epochs=200, batch_size=128, lr=1e-3, weight_decay=0.05,
-                    warmup_epochs=10, label_smoothing=0.1, mixup=0.8, cutmix=1.0, randaug="2,9",
-                    erasing=0.25, drop_path=0.1, crop_padding=4, flip=True)
+from . import budget
+
+# Every value a recipe sets (TrainConfig's fields left None are taken from the dataset's recipe). The
+# base is what a dataset's recipe does not change: no augmentation or regularisation, a short run.
+BASE_RECIPE = dict(epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1, label_smoothing=0.0,
+                   mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0, flip=False, drop_path=0.0,
+                   ema=0.0)
+
+# CIFAR: the from-scratch recipe of Lee, Lee & Song (2021), "Vision Transformer for Small-Size
+# Datasets" (AdamW lr 1e-3, weight decay 0.05, batch 128, 10 warmup epochs then cosine, label
+# smoothing 0.1, Mixup 0.8 / CutMix 1.0, RandAugment-style policy, random erasing 0.25, stochastic
+# depth 0.1), run for 200 epochs since our default model is smaller than theirs.
+CIFAR_RECIPE = dict(BASE_RECIPE, model="vit-cifar/4", epochs=200, warmup_epochs=10, label_smoothing=0.1,
+                    mixup=0.8, cutmix=1.0, randaug="2,9", erasing=0.25, drop_path=0.1, crop_padding=4, flip=True)
 RECIPES = {
     "cifar10": CIFAR_RECIPE,
     "cifar100": CIFAR_RECIPE,
     # Fashion-MNIST: patch 7 (16 tokens), light augmentation, 60 epochs (about 25 minutes on 2 CPU
     # cores). Chosen by the runs in docs/results.md: at equal time patch 7 beats patch 4 (89.69% against
     # 88.54% in 15-minute budgets), and crop + flip pays once a run is long enough to overfit without.
-    "fashion-mnist": dict(model="vit-mnist/7", epochs=60, batch_size=128, lr=2e-3, weight_decay=0.05,
-                          warmup_epochs=1, label_smoothing=0.1, crop_padding=2, flip=True),
-    # The synthetic set is for tests and offline demos: no augmentation, a few epochs.
-    "synthetic": dict(model=None, epochs=5, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_epochs=1),
+    "fashion-mnist": dict(BASE_RECIPE, model="vit-mnist/7", epochs=60, lr=2e-3, label_smoothing=0.1,
+                          crop_padding=2, flip=True),
+    # The synthetic set is for tests and offline demos: no augmentation, a few epochs, batch 64.
+    "synthetic": dict(BASE_RECIPE, model=None, epochs=5, batch_size=64),
 }
+
+# With no --model and a recipe that names none, the model for the dataset's images: the recipes' own.
+PRESET_BY_SHAPE = {(32, 3): RECIPES["cifar10"]["model"], (28, 1): RECIPES["fashion-mnist"]["model"]}
+
+# The paper's fine-tuning recipe (section 3.2, appendix B.1.1): SGD with momentum 0.9, no weight
+# decay, gradient clipping at global norm 1, a short warmup then cosine decay; the learning rate from
+# {0.001, 0.003, 0.01, 0.03}; no augmentation. `tinyvit finetune` starts from it.
+FINETUNE_RECIPE = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_clip=1.0, lr=0.01, warmup_epochs=1,
+                       epochs=10, label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, drop_path=0.0)
+
+# Masked patch prediction (appendix B.1.2) in TrainConfig's terms. "1M steps (ca. 14 epochs) ... warmup
+# of 10k steps" -> 14 epochs with 0.14 of an epoch of warmup. B.1.2 names no weight decay (B.1's 0.1
+# is for supervised pre-training), so none; batch size 4096 does not fit a small machine, so the
+# dataset's recipe batch size is used, with the paper's learning rate unscaled. No augmentation.
+# `tinyvit pretrain` starts from it.
+PRETRAIN_RECIPE = dict(optimizer="adam", lr=2e-4, weight_decay=0.0, epochs=14, warmup_epochs=0.14,
+                       label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0,
+                       crop_padding=0, flip=False, drop_path=0.0)
 
 # A recipe's augmentation is for long runs: a run given fewer epochs than this trains without the
 # recipe's crop, flip, RandAugment, Mixup/CutMix and erasing (flags set explicitly are kept). Measured
@@ -34,9 +59,6 @@ RECIPES = {
 # without; after 14 epochs (15 minutes) still 88.54% against 89.05%.
 SHORT_RUN_EPOCHS = 10
 AUGMENTATION_OFF = dict(crop_padding=0, flip=False, randaug="", mixup=0.0, cutmix=0.0, erasing=0.0)
-
-# With no --model, the preset that fits the dataset's images.
-PRESET_BY_SHAPE = {(32, 3): "vit-cifar/4", (28, 1): "vit-mnist/4"}
 
 
 @dataclass
@@ -75,44 +97,49 @@ class TrainConfig:
     test_limit: int | None = None
     dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
     time_budget: float | None = None                   # minutes: the run's length is measured to fit (budget.py)
+    from_recipe: list = field(default_factory=list)    # the settings a recipe gave (resolved() records them)
+
+    def __post_init__(self):
+        self.validate()                                # every value is checked where it enters: here
 
     def resolved(self, notes: list | None = None) -> "TrainConfig":
-        """A copy with every None filled in from the dataset's recipe (less its augmentation for a
-        short run; ``notes``, if given, receives a line saying so)."""
+        """The config with every None filled in from the dataset's recipe (less its augmentation for a
+        short run; ``notes``, if given, receives a line saying so). A resolved config is returned as
+        it is, so resolving is done once however often it is asked for."""
+        if self.is_resolved():
+            return self
+        filled = {key: value for key, value in RECIPES[self.dataset].items() if getattr(self, key) is None}
+        cfg = replace(self, **filled, from_recipe=[*self.from_recipe, *filled])
+        dropped = cfg.augmentation_dropped()
+        if dropped:
+            cfg = replace(cfg, **{key: AUGMENTATION_OFF[key] for key in dropped})
+            if notes is not None:
+                flags = ", ".join("--" + key.replace("_", "-") for key in dropped)
+                notes.append(f"a {cfg.epochs}-epoch run is short: trained without the recipe's {flags} "
+                             f"(a run of {SHORT_RUN_EPOCHS} epochs or more uses them; a flag sets one anyway)")
+        return cfg
+
+    def augmentation_dropped(self) -> list:
+        """The recipe's augmentation settings a short run leaves out (SHORT_RUN_EPOCHS): those the
+        recipe filled in and turned on, for a run of fewer epochs. A time budget keeps them: its
+        length is known only once it has been timed."""
+        if self.time_budget is not None or self.epochs >= SHORT_RUN_EPOCHS:
+            return []
+        return [key for key, off in AUGMENTATION_OFF.items() if key in self.from_recipe and getattr(self, key) != off]
+
+    def is_resolved(self) -> bool:
+        """Whether every setting a recipe gives is filled in (by resolved(), a recipe or the caller)."""
+        return self.dataset in RECIPES and all(getattr(self, key) is not None for key in RECIPES[self.dataset])
+
+    def validate(self) -> None:
+        """Raise a ValueError naming every bad value (each as the flag that sets it)."""
         if self.dataset not in RECIPES:
             raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(RECIPES)}")
         if self.time_budget is not None:
-            if self.epochs is not None:
+            if self.epochs is not None and "epochs" not in self.from_recipe:
                 raise ValueError("invalid training configuration: pass --epochs or --time-budget, not both "
                                  "(a time budget sets the number of steps)")
             budget.parse_duration(self.time_budget)               # a ValueError names the problem
-        defaults = dict(model=None, epochs=10, batch_size=128, lr=1e-3, weight_decay=0.05, warmup_epochs=1,
-                        label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="", erasing=0.0, crop_padding=0,
-                        flip=False, drop_path=0.0, ema=0.0)
-        defaults.update(RECIPES[self.dataset])
-        cfg = copy.deepcopy(self)
-        for key, value in defaults.items():
-            if getattr(cfg, key) is None:
-                setattr(cfg, key, value)
-        dropped = self.augmentation_dropped(cfg)
-        for key in dropped:
-            setattr(cfg, key, AUGMENTATION_OFF[key])
-        if dropped and notes is not None:
-            flags = ", ".join("--" + key.replace("_", "-") for key in dropped)
-            notes.append(f"a {cfg.epochs}-epoch run is short: trained without the recipe's {flags} "
-                         f"(a run of {SHORT_RUN_EPOCHS} epochs or more uses them; a flag sets one anyway)")
-        cfg.validate()
-        return cfg
-
-    def augmentation_dropped(self, filled: "TrainConfig") -> list:
-        """The recipe's augmentation settings a short run leaves out (SHORT_RUN_EPOCHS): those this
-        config left to the recipe (None) and the recipe turned on, for a run of fewer epochs. A time
-        budget keeps them: its length is known only once it has been timed."""
-        if self.time_budget is not None or filled.epochs >= SHORT_RUN_EPOCHS:
-            return []
-        return [key for key, off in AUGMENTATION_OFF.items() if getattr(self, key) is None and getattr(filled, key) != off]
-
-    def validate(self) -> None:
         problems = []
         if self.optimizer not in ("adamw", "adam", "sgd"):
             problems.append(f"--optimizer must be adamw, adam or sgd, got {self.optimizer!r}")

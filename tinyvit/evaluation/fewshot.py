@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backend
-from .autograd import Tensor, no_grad
+from .. import backend
+from ..autograd import Tensor, no_grad
 
 
 def _as_float64(x) -> np.ndarray:
@@ -96,7 +96,7 @@ def extract_features(model, images, mean=None, std=None, batch_size: int = 256, 
     trained with (default: none). pool: None -> the model's own representation, the input of its
     classification head (pre-logits(y) of Eq. 4); "token" -> the class token's output (Eq. 4);
     "gap" -> the mean of the patch tokens' outputs (after the final LayerNorm)."""
-    from .data import normalize, to_float
+    from ..data import normalize, to_float
     if pool not in (None, "token", "gap"):
         raise ValueError(f"pool must be None, 'token' or 'gap', got {pool!r}")
     vit = model.to_vit() if hasattr(model, "to_vit") else model

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import backend
-from .autograd import Tensor, no_grad
-from .backend import get_array_module
+from .. import backend
+from ..autograd import Tensor, no_grad
+from ..backend import get_array_module
 
 _TINY = 1e-12  # guards divisions by a sum or a norm that may be 0
 

@@ -1,4 +1,5 @@
-"""Using a trained checkpoint: evaluation with a confusion matrix, and top-k prediction on image files."""
+"""Using a trained model: loading a checkpoint for inference, evaluation over a test split (accuracy,
+confusion matrix), and top-k prediction on image files."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend, io
-from . import functional as F
-from .autograd import no_grad
-from .io.arrays import _check_file
+from .. import backend, io
+from .. import functional as F
+from ..autograd import no_grad
+from ..io.arrays import check_file
 
 
 def load_for_inference(path, device="cpu"):
@@ -71,6 +72,27 @@ def check_fits(model, dataset) -> None:
         raise ValueError(f"the model predicts {cfg.num_classes} classes but {dataset.name} has {dataset.num_classes}")
 
 
+def evaluate(model, loader) -> dict:
+    """Mean loss, accuracy and the predictions over a loader (eval mode, no graph). Sums and
+    predictions stay on the device until the end: one read back to the host, not one per batch."""
+    model.eval()
+    total_loss, correct, seen, preds, labels = 0.0, 0, 0, [], []
+    with no_grad():
+        for x, y in loader:
+            logits = model(x)
+            total_loss = total_loss + F.cross_entropy(logits, y, check_labels=False).data * len(y)
+            pred = logits.data.argmax(axis=-1)
+            correct = correct + (pred == y).sum()
+            seen += len(y)
+            preds.append(pred)
+            labels.append(y)
+    if not preds:
+        return {"loss": 0.0, "acc": 0.0, "preds": np.zeros(0, int), "labels": np.zeros(0, int)}
+    xp = backend.get_array_module(preds[0])
+    return {"loss": float(total_loss) / seen, "acc": int(correct) / seen,
+            "preds": backend.to_numpy(xp.concatenate(preds)), "labels": backend.to_numpy(xp.concatenate(labels))}
+
+
 def confusion_matrix(labels, preds, num_classes: int) -> np.ndarray:
     """(K, K) counts: row = true class, column = predicted class."""
     m = np.zeros((num_classes, num_classes), dtype=np.int64)
@@ -102,7 +124,7 @@ def read_image(path, channels: int, size: int) -> np.ndarray:
     decodes safely (Image.MAX_IMAGE_PIXELS: a tiny file can unpack to gigabytes)."""
     from PIL import Image, UnidentifiedImageError
     path = Path(path)
-    _check_file(str(path), "image file")
+    check_file(str(path), "image file")
     try:
         with warnings.catch_warnings():
             # Pillow only warns of an image over MAX_IMAGE_PIXELS (it refuses one over twice that): refuse both.

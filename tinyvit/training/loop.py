@@ -35,149 +35,26 @@ import copy
 import json
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import numpy as np
 
-from . import backend
-from . import functional as F
-from . import budget, distributed, io, optim
-from .autograd import no_grad
-from .data import Augment, DataLoader, load_dataset
-from .inference import check_fits
-from .io.arrays import leftover_temporary_files
-from .plots import training_curves
-from .recipes import PRESET_BY_SHAPE, TrainConfig, parse_randaug
-from .run_files import (RunFolderLock, check_resume, check_run_folder, dataset_metadata, last_good, log_interval,
-                        read_log, save_training_checkpoint, unflatten_optimizer)
+from .. import backend, distributed, io, kernels, optim
+from ..data import DataLoader
+from ..evaluation.plots import training_curves
+from ..io.arrays import leftover_temporary_files
+from . import budget
+from .components import load_data, make_optimizer, make_transforms, resident, resize_images, run_dir
+from .objectives import Classification
+from .recipes import TrainConfig
+from .run_folder import (RunFolderLock, check_resume, check_run_folder, dataset_metadata, last_good, log_interval,
+                         read_log, save_training_checkpoint, unflatten_optimizer)
+from .signals import Stopped, ctrl_c_after_block, stop_signals_interrupt
+
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-class Classification:
-    """The objective of supervised training: cross-entropy on (possibly soft, mixed) targets.
-
-    Another objective (masked patch prediction, tinyvit/models/masked.py) provides the same three
-    methods and reuses the whole loop, checkpoints and resume of ``train``."""
-    name = "classification"
-
-    def __init__(self, label_smoothing: float = 0.0):
-        self.label_smoothing = label_smoothing
-
-    def build_model(self, cfg, dataset):
-        return build_model(cfg, dataset)
-
-    def check(self, model, dataset) -> None:
-        check_fits(model, dataset)
-
-    def step(self, model, x, y):
-        """-> (loss Tensor, number of correct predictions as a device scalar). Mixed targets count
-        as their larger part."""
-        logits = model(x)
-        # the dataset checked its labels when loaded: no range check, which would wait for the GPU
-        loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing, check_labels=False)
-        hard = y if y.ndim == 1 else y.argmax(axis=-1)
-        return loss, (logits.data.argmax(axis=-1) == hard).sum()
-
-    def evaluate(self, model, loader) -> dict:
-        return evaluate(model, loader)
-
-
-# ---------------------------------------------------------------- building the pieces
-
-
-def build_model(cfg: TrainConfig, dataset):
-    """The model named by cfg.model (or the preset for the dataset's image shape), sized for the data."""
-    name = cfg.model or PRESET_BY_SHAPE.get((dataset.image_size, dataset.channels))
-    if name is None:
-        raise ValueError(f"no preset fits {dataset.channels}-channel {dataset.image_size}x{dataset.image_size} "
-                         f"images; pass --model (see `tinyvit models`) and --model-arg image_size=...")
-    return create_for_dataset(name, dataset, **{"drop_path": cfg.drop_path, **cfg.model_args})
-
-
-def create_for_dataset(name: str, dataset, **overrides):
-    """The named model sized for the dataset: its image size, channels and classes (overrides win)."""
-    from .models import create
-    sized = dict(image_size=dataset.image_size, in_channels=dataset.channels, num_classes=dataset.num_classes)
-    return create(name, **{**sized, **overrides})
-
-
-def load_data(name: str, data_dir=None, dataset_args: dict | None = None):
-    """``load_dataset`` with a run's [dataset] settings; a setting the dataset's loader does not take
-    (or of the wrong type) is a ValueError naming them, not a traceback."""
-    try:
-        return load_dataset(name, root=data_dir, **(dataset_args or {}))
-    except TypeError as exc:
-        raise ValueError(f"[dataset] settings {dataset_args} do not fit {name}: {exc}") from None
-
-
-def make_optimizer(cfg: TrainConfig, model):
-    """AdamW/Adam/SGD with no weight decay on biases, norms, class token and position embeddings."""
-    groups = optim.param_groups_weight_decay(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    cls = optim.AdamW if cfg.optimizer == "adamw" else optim.Adam
-    return cls(groups, lr=cfg.lr)
-
-
-def make_transforms(cfg: TrainConfig, dataset, world=None):
-    """(training transform, evaluation transform). In data-parallel training (``world`` of several
-    ranks) each rank augments its rows with a random stream of its own."""
-    n, m = parse_randaug(cfg.randaug)
-    seed = cfg.seed + 1 if world is None else world.seed(cfg.seed + 1)
-    train_tf = Augment(dataset.mean, dataset.std, dataset.num_classes, crop_padding=cfg.crop_padding,
-                       flip=cfg.flip, randaug_n=n, randaug_m=m, mixup_alpha=cfg.mixup,
-                       cutmix_alpha=cfg.cutmix, erasing_p=cfg.erasing, seed=seed)
-    return train_tf, Augment(dataset.mean, dataset.std)
-
-
-# ---------------------------------------------------------------- the loop
-
-
-def evaluate(model, loader) -> dict:
-    """Mean loss, accuracy and the predictions over a loader (eval mode, no graph). Sums and
-    predictions stay on the device until the end: one read back to the host, not one per batch."""
-    model.eval()
-    total_loss, correct, seen, preds, labels = 0.0, 0, 0, [], []
-    with no_grad():
-        for x, y in loader:
-            logits = model(x)
-            total_loss = total_loss + F.cross_entropy(logits, y, check_labels=False).data * len(y)
-            pred = logits.data.argmax(axis=-1)
-            correct = correct + (pred == y).sum()
-            seen += len(y)
-            preds.append(pred)
-            labels.append(y)
-    if not preds:
-        return {"loss": 0.0, "acc": 0.0, "preds": np.zeros(0, int), "labels": np.zeros(0, int)}
-    xp = backend.get_array_module(preds[0])
-    return {"loss": float(total_loss) / seen, "acc": int(correct) / seen,
-            "preds": backend.to_numpy(xp.concatenate(preds)), "labels": backend.to_numpy(xp.concatenate(labels))}
-
-
-# Up to this many bytes of images live on the GPU for the whole run (CIFAR-10: 184 MB as uint8).
-DEVICE_DATA_LIMIT = 2 << 30
-
-
-def _resident(images, labels, device):
-    """The arrays a loader batches from. On a GPU, a split is copied there once, as uint8, so that each
-    step gathers its batch on the device rather than copying it from the host (a larger split stays
-    on the host and its batches travel each step)."""
-    if device == "cpu" or images.nbytes > DEVICE_DATA_LIMIT:
-        return images, labels
-    return backend.to_device(images, device), backend.to_device(labels, device)
-
-
-def run_dir(cfg: TrainConfig) -> Path:
-    if cfg.out:
-        return Path(cfg.out).expanduser()
-    name = (cfg.model or "preset").replace("/", "-")
-    return Path("runs") / f"{cfg.dataset}-{name}"
 
 
 def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
@@ -187,9 +64,9 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     ``stop_after_epoch`` ends the run early after that epoch, as an interruption would (tests use it
     to check that resuming gives the same weights).
 
-    For the whole call the run folder is locked (run_files.RunFolderLock) and SIGTERM and SIGHUP
+    For the whole call the run folder is locked (run_folder.RunFolderLock) and SIGTERM and SIGHUP
     raise ``Stopped``, a KeyboardInterrupt: the run saves and stops as on Ctrl-C."""
-    with contextlib.ExitStack() as held, _stop_signals_interrupt():     # held: released however train ends
+    with contextlib.ExitStack() as held, stop_signals_interrupt():     # held: released however train ends
         return _train(cfg, model, objective, progress, stop_after_epoch, log, held)
 
 
@@ -199,7 +76,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     world = distributed.world()                            # one process, or one rank of several (mpirun)
     if not world.writer:                                   # rank 0 alone prints and writes the run's files
         log, progress = _silent, False
-    warmup_from_recipe, notes = cfg.warmup_epochs is None, []
+    notes = []
     cfg = distributed.check_run(cfg.resolved(notes), world)   # the same on every rank; this rank's device
     for note in notes:                                     # e.g. a short run without the recipe's augmentation
         log(note)
@@ -230,19 +107,23 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     objective.check(model, dataset)
     model.to(device=cfg.device)
     world.broadcast_arrays(list(model.state_dict().values()))      # every rank starts from rank 0's weights
+    # Speed that spans layers, as one visible step (nanoGPT's `model = torch.compile(model)`): the same
+    # model and Parameters, its encoder run fused across layers (tinyvit/kernels/fusion.py). The loop
+    # calls `forward`; with --kernels off that is the model itself, every Block.forward as written.
+    forward = kernels.fuse(model)
     opt = make_optimizer(cfg, model)
     ema = optim.WeightEMA(model, cfg.ema) if cfg.ema else None     # evaluated and kept as "best" instead
     train_tf, eval_tf = make_transforms(cfg, dataset, world)
-    loader = DataLoader(*_resident(dataset.train_images, dataset.train_labels, cfg.device), cfg.batch_size, shuffle=True,
+    loader = DataLoader(*resident(dataset.train_images, dataset.train_labels, cfg.device), cfg.batch_size, shuffle=True,
                         seed=cfg.seed, drop_last=len(dataset.train_images) >= cfg.batch_size,
                         device=cfg.device, transform=train_tf, shard=world.shard)
-    test_loader = DataLoader(*_resident(dataset.test_images, dataset.test_labels, cfg.device), cfg.eval_batch_size,
+    test_loader = DataLoader(*resident(dataset.test_images, dataset.test_labels, cfg.device), cfg.eval_batch_size,
                              device=cfg.device, transform=eval_tf, shard=world.shard)
     steps_per_epoch = len(loader)
     if resume_from:                          # the plan the run started with (its budget was measured then)
         plan = budget.Plan(**json.loads(resume_from[2]["training"])["progress"]["plan"])
     else:
-        plan = _plan_run(cfg, warmup_from_recipe, steps_per_epoch, started, model, objective, loader,
+        plan = _plan_run(cfg, steps_per_epoch, started, model, objective, loader,
                          test_loader, log)
     sched = optim.LRScheduler(opt, lambda s: optim.warmup_cosine(s, plan.total_steps, plan.warmup_steps,
                                                                 cfg.lr, cfg.min_lr))
@@ -294,11 +175,11 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                     if loader.position == 0:
                         backend.manual_seed(world.seed(cfg.seed * 100_003 + epoch))  # dropout masks, per epoch
                     steps_log = out / "steps.jsonl" if world.writer else None
-                    state["trained"] = _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state,
+                    state["trained"] = _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, state,
                                                         progress, latest, plan, steps_log, ema)
                 tick = time.perf_counter()
                 with averaged():
-                    test = objective.evaluate(model, test_loader)
+                    test = objective.evaluate(forward, test_loader)
                 eval_s = time.perf_counter() - tick
                 if not math.isfinite(test["loss"]):       # weights gone bad: neither best nor latest gets them
                     raise TrainingDiverged(f"the test loss became {test['loss']} after epoch {epoch}; stopping. "
@@ -306,7 +187,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 row = {**state["trained"], "test_loss": test["loss"], "test_acc": test["acc"],
                        "epochs_trained": round(sched.step_count / steps_per_epoch, 4)}  # < epoch if cut short
                 if ema is not None and epoch == plan.epochs:        # what the average gained, once, at the end
-                    row["test_acc_without_ema"] = objective.evaluate(model, test_loader)["acc"]
+                    row["test_acc_without_ema"] = objective.evaluate(forward, test_loader)["acc"]
                 if world.writer:
                     with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see read_log
                         f.write(json.dumps(row) + "\n")
@@ -360,10 +241,11 @@ def _keep_to_budget(plan, cfg, started, history, eval_s, steps_done, steps_per_e
     return plan
 
 
-def _plan_run(cfg, warmup_from_recipe, steps_per_epoch, started, model, objective, loader, test_loader,
+def _plan_run(cfg, steps_per_epoch, started, model, objective, loader, test_loader,
               log) -> budget.Plan:
     """The run's steps and warmup: from --epochs, or from --time-budget after timing a few steps and
     an evaluation on a copy of the model (budget.py)."""
+    warmup_from_recipe = "warmup_epochs" in cfg.from_recipe     # a recipe's warmup may be shortened
     if cfg.time_budget is None:
         total = cfg.epochs * steps_per_epoch
         warmup, note = budget.warmup_steps_for(cfg.warmup_epochs, steps_per_epoch, total, warmup_from_recipe)
@@ -383,6 +265,7 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     copies of the model, optimizer and augmentation, so that the run itself is left untouched. The
     step time is the median of ``steps`` real steps (data, augmentation, update) after ``warmup``."""
     trial, point = copy.deepcopy(model), copy.deepcopy(backend.rng().bit_generator.state)
+    forward = kernels.fuse(trial)                          # as the run will step
     opt = make_optimizer(cfg, trial)
     batches = DataLoader(loader.images, loader.labels, loader.batch_size, shuffle=True, seed=cfg.seed + 7,
                          device=cfg.device, transform=copy.deepcopy(loader.transform), shard=loader.shard)
@@ -390,7 +273,7 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     trial.train()
     for i, (x, y) in enumerate(batches):
         tick = time.perf_counter()
-        loss, _ = _gradients(trial, objective, cfg, x, y)
+        loss, _ = _gradients(trial, forward, objective, cfg, x, y)
         opt.step()
         float(loss.data)                                   # waits for a GPU to finish the step
         times.append(time.perf_counter() - tick)
@@ -400,7 +283,7 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     n_test = len(test_loader.images)
     sample = min(n_test, 2 * test_loader.batch_size)
     tick = time.perf_counter()
-    objective.evaluate(trial, DataLoader(test_loader.images[:sample], test_loader.labels[:sample],
+    objective.evaluate(forward, DataLoader(test_loader.images[:sample], test_loader.labels[:sample],
                                          test_loader.batch_size, device=cfg.device, transform=test_loader.transform,
                                          shard=test_loader.shard))
     eval_s = (time.perf_counter() - tick) * n_test / max(sample, 1)
@@ -408,10 +291,11 @@ def _time_run(cfg, model, objective, loader, test_loader, steps: int = 12, warmu
     return step_s, eval_s + budget.EPOCH_OVERHEAD_SECONDS
 
 
-def _gradients(model, objective, cfg, x, y) -> tuple:
+def _gradients(model, forward, objective, cfg, x, y) -> tuple:
     """Forward, loss, backward (and clipping) of one step: (loss Tensor, correct count); the update
-    is the caller's. The training loop and the budget's timing trial run the same step."""
-    loss, correct = objective.step(model, x, y)                                     # forward
+    is the caller's. ``forward`` is the model or kernels.fuse(model). The training loop and the
+    budget's timing trial run the same step."""
+    loss, correct = objective.step(forward, x, y)                                   # forward
     model.zero_grad()
     loss.backward()                                                                 # backward
     distributed.average_gradients(model, len(x))    # the ranks' mean gradient (one process: nothing), then
@@ -434,65 +318,7 @@ def _go_back_to(loader, point) -> None:
     backend.rng().bit_generator.state = copy.deepcopy(point[1])
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (how a scheduler stops a job, how a closed terminal ends it) during train():
-    handled as Ctrl-C is, so the epoch in progress is saved, not lost. The CLI exits with the status
-    a shell gives a process the signal ended: 128 + ``signum`` (143 for SIGTERM, 129 for SIGHUP)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame):
-    raise Stopped(signum)
-
-
-# The signals train() turns into Stopped (SIGHUP does not exist on Windows).
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-@contextlib.contextmanager
-def _stop_signals_interrupt():
-    """SIGTERM and SIGHUP raise Stopped during the block, in the main thread, where they would kill the
-    process (their default action); an ignored one (nohup ignores SIGHUP) or a caller's own handler
-    is left alone, and the previous handlers come back after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    replaced = [s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_DFL]
-    try:                                  # (a signal arriving while they are installed still gets them restored)
-        for s in replaced:
-            signal.signal(s, _raise_stopped)
-        yield
-    finally:
-        for s in replaced:
-            signal.signal(s, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _ctrl_c_after_block():
-    """Hold Ctrl-C (and SIGTERM and SIGHUP, while they raise Stopped) back until the block has run, so
-    an update is applied whole or not at all (in the main thread, over the handlers that raise;
-    elsewhere it changes nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raising = {s: handler for s in (signal.SIGINT, *STOP_SIGNALS)
-               if (handler := signal.getsignal(s)) in (signal.default_int_handler, _raise_stopped)}
-    pending = []
-    try:
-        for s in raising:
-            signal.signal(s, lambda signum, frame: pending.append(signum))
-        yield
-    finally:
-        for s, handler in raising.items():
-            signal.signal(s, handler)
-    if pending:
-        raising[pending[0]](pending[0], None)                # raise what the first signal would have raised
-
-
-def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, progress, latest, plan,
+def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, state, progress, latest, plan,
                      steps_log: Path, ema=None) -> dict:
     """One pass over the training data (continuing a partial epoch after a resume; ending early at
     the plan's last step). The running sums stay on the device, read back once every
@@ -519,8 +345,8 @@ def _train_one_epoch(model, objective, opt, sched, loader, cfg, epoch, state, pr
 
     try:
         for step_in_epoch, (x, y) in enumerate(loader, start=loader.position + 1):
-            loss, correct = _gradients(model, objective, cfg, x, y)                 # forward, backward
-            with _ctrl_c_after_block():
+            loss, correct = _gradients(model, forward, objective, cfg, x, y)        # forward, backward
+            with ctrl_c_after_block():
                 opt.step()                                                          # update
                 sched.step()
                 if ema is not None:
@@ -574,14 +400,3 @@ def _progress_bar(total, initial, desc, enabled):
     return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True)
 
 
-def resize_images(images: np.ndarray, size: int) -> np.ndarray:
-    """uint8 (N, C, H, W) -> (N, C, size, size), bicubic with Pillow (once, before training at a
-    new resolution)."""
-    from PIL import Image
-    if images.shape[-1] == size and images.shape[-2] == size:
-        return images
-    out = np.empty(images.shape[:2] + (size, size), dtype=np.uint8)
-    for i, img in enumerate(images):                    # data preparation, once per run
-        for c, plane in enumerate(img):
-            out[i, c] = np.asarray(Image.fromarray(plane).resize((size, size), Image.BICUBIC))
-    return out

@@ -2,21 +2,15 @@
 
 The pre-training head is dropped and a zero-initialised linear layer for the new classes put in
 its place; at a new resolution the position embeddings are interpolated in 2D over the new patch
-grid. Training then runs through tinyvit.train.train with the paper's fine-tuning recipe.
+grid. Training then runs through tinyvit.training.train with the paper's fine-tuning recipe
+(recipes.FINETUNE_RECIPE).
 """
 from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from . import io
-from .backend import get_default_dtype
-
-# The paper's fine-tuning recipe: SGD with momentum 0.9, no weight decay, gradient clipping at global
-# norm 1, a short warmup then cosine decay; the learning rate from {0.001, 0.003, 0.01, 0.03}.
-FINETUNE_DEFAULTS = dict(optimizer="sgd", momentum=0.9, weight_decay=0.0, grad_clip=1.0, lr=0.01,
-                         warmup_epochs=1, epochs=10, label_smoothing=0.0, mixup=0.0, cutmix=0.0, randaug="",
-                         erasing=0.0, drop_path=0.0)
-
+from .. import io
+from ..backend import get_default_dtype
 
 def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
                      resize_method: str = "bilinear", **overrides):

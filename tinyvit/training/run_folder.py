@@ -1,4 +1,4 @@
-"""What a run folder holds, written and read back by tinyvit.train:
+"""What a run folder holds, written and read back by the training loop (loop.py):
 
     latest.safetensors    the model with the optimizer, schedule, data order and random state in one
                           atomic file (save_training_checkpoint): everything a resume needs
@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from . import backend, io
+from .. import backend, io
 
 try:
     import fcntl
@@ -145,7 +145,7 @@ RESUME_MAY_CHANGE = ("device", "precision", "data_dir", "eval_batch_size", "lr",
 def check_resume(cfg, latest: Path, log=print) -> None:
     """Refuse to resume the run in ``latest`` with settings (resolved, recipe values filled in) that
     change what the run is, naming them; log the allowed changes. Reads the checkpoint's header only."""
-    from .io.arrays import read_header
+    from ..io.arrays import read_header
     _, metadata = read_header(latest)
     if "training" not in metadata:
         raise ValueError(f"--resume: {latest} holds a model but no training state; fine-tune from it with "
@@ -157,7 +157,7 @@ def check_resume(cfg, latest: Path, log=print) -> None:
                          "fine-tune from the run's best.safetensors with `tinyvit finetune`, or start a new run "
                          "with --out DIR") from None
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
-    for name in ("out", "resume"):                                         # which run, not what it is
+    for name in ("out", "resume", "from_recipe"):                          # which run, not what it is
         del now[name]
     # a setting older runs did not store: its default (ema: runs from before it existed had none)
     defaults = {**asdict(type(cfg)()), "ema": 0.0}
