@@ -25,11 +25,6 @@ from .backend import get_array_module
 _grad_enabled = True
 
 
-def is_grad_enabled() -> bool:
-    """False inside ``no_grad()``: ops then record nothing and keep no saved arrays."""
-    return _grad_enabled
-
-
 class no_grad(contextlib.ContextDecorator):
     """Context manager (and decorator) that turns graph recording off, as for evaluation."""
 
@@ -42,15 +37,6 @@ class no_grad(contextlib.ContextDecorator):
         global _grad_enabled
         _grad_enabled = self.previous
         return False
-
-
-class enable_grad(no_grad):
-    """Turn recording back on inside a ``no_grad`` block."""
-
-    def __enter__(self):
-        global _grad_enabled
-        self.previous = _grad_enabled
-        _grad_enabled = True
 
 
 def _is_array(x) -> bool:

@@ -1,8 +1,6 @@
 """Input validation shared by the ops: messages that name the problem, its shapes and the fix."""
 from __future__ import annotations
 
-from ..autograd import Tensor
-
 # ---------------------------------------------------------------- input validation
 
 
@@ -31,10 +29,6 @@ def require_ndim(op: str, name: str, x, ndims, meaning: str) -> None:
     nd = len(shape_of(x))
     if nd not in (ndims if isinstance(ndims, (tuple, list)) else (ndims,)):
         raise ValueError(f"{op}: {name} must be {meaning}, got shape {shape_of(x)}")
-
-
-def is_tensor(x) -> bool:
-    return isinstance(x, Tensor)
 
 
 def require_same_dtype(op: str, **named) -> None:
