@@ -16,7 +16,7 @@ from tinyvit.kernels.cpu import optim as k_optim
 from kernel_checks import cpu_kernel
 
 THRESHOLD = 100                 # THREADED_UPDATE_SIZE in these tests: the (40, 30), (100,), (64, 64) go to threads
-SHAPES = [(40, 30), (100,), (7,), (64, 64), (3, 5), (99,)]
+SHAPES = [(40, 30), (100,), (7,), (64, 64), (3, 5), (), (99,)]       # () a 0-d parameter
 
 OPTIMIZERS = {
     "SGD": lambda groups: optim.SGD(groups, lr=0.1),
@@ -156,4 +156,4 @@ def test_step_updates_each_item_once_large_in_threads_small_in_the_caller(num_th
         assert [i for i, _ in calls if i in small] == small
         assert all(ident == threading.get_ident() for i, ident in calls if i in small)
         if n == 1:
-            assert [i for i, _ in calls] == [3, 0, 1, 2, 4, 5]          # 4096, 1200, 100 elements; then the rest
+            assert [i for i, _ in calls] == [3, 0, 1, 2, 4, 5, 6]       # 4096, 1200, 100 elements; then the rest

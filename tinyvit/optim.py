@@ -219,7 +219,7 @@ class SGD(Optimizer):
             g = g + wd * p.data
         if mu != 0:
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = g.copy()          # a copy: the buffer changes in place
+                state["momentum_buffer"] = backend.get_array_module(g).copy(g)   # an array of its own
             else:
                 b = state["momentum_buffer"]
                 b[...] = mu * b + (1 - tau) * g
