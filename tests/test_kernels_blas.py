@@ -106,21 +106,34 @@ def test_a_value_set_before_numpy_is_kept_and_an_explicit_one_applied():
 
 
 @needs_openblas
-def test_through_tinyvit_with_numpy_imported_first():
-    out = _run("""
-    import json
-    import numpy as np
+@pytest.mark.parametrize("first", ["numpy", "tinyvit"])
+def test_through_tinyvit_the_first_cpu_kernel_applies_the_timeout(first):
+    """Whichever of NumPy and tinyvit is imported first: `import tinyvit` touches neither OpenBLAS
+    (its threads keep the timeout they loaded with, none) nor the environment, and does not load the
+    CPU kernels; the first CPU kernel the switchboard picks applies the timeout, so that from the
+    first step on the idle workers sleep at once after each GEMM (no CPU burned while the main
+    thread sleeps), in either order alike. Two BLAS threads, so that there is a worker to spin."""
+    second = "tinyvit" if first == "numpy" else "numpy"
+    code = _PRELUDE.replace("import numpy as np\n", f"import {first}\n    import {second}\n    import numpy as np\n", 1)
+    out = _run(code + """
+    import sys
     import tinyvit
-    from tinyvit.kernels.cpu import blas
-    outcome = blas.configure_blas_threads()
-    a = np.ones((512, 64), np.float32)
-    print(json.dumps(dict(outcome=outcome, read=list(blas.thread_timeouts().values()),
-                          again=blas.configure_blas_threads(), ok=bool((a @ a.T == 64).all()))))
-    """)
-    # "already" once tinyvit applies it itself on import; either way OpenBLAS now has it.
-    assert out["outcome"] in (blas.APPLIED, blas.ALREADY)
-    assert set(out["read"]) == {blas.DEFAULT_THREAD_TIMEOUT}
-    assert out["again"] == blas.ALREADY and out["ok"]
+    import tinyvit.functional as F
+    before = dict(read=list(blas.thread_timeouts().values()), env=os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                  kernels_loaded="tinyvit.kernels.cpu" in sys.modules)
+    y = F.gelu(F.linear(tinyvit.Tensor(a, requires_grad=True), b))   # the first CPU kernels (float32)
+    kernel = type(y._ctx).__module__
+    after = dict(read=list(blas.thread_timeouts().values()), env=os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                 spin=spin(), again=blas.configure_blas_threads(),
+                 correct=bool(np.allclose(a @ b, want, rtol=1e-4, atol=1e-3)))
+    print(json.dumps(dict(before=before, after=after, kernel=kernel)))
+    """, OPENBLAS_NUM_THREADS="2")
+    assert out["before"] == dict(read=[0], env=None, kernels_loaded=False), out
+    assert out["kernel"] == "tinyvit.kernels.cpu.gelu", out
+    after = out["after"]
+    assert set(after["read"]) == {blas.DEFAULT_THREAD_TIMEOUT} and after["env"] == str(blas.DEFAULT_THREAD_TIMEOUT)
+    assert after["again"] == blas.ALREADY and after["correct"]
+    assert after["spin"] < 0.04, out
 
 
 @needs_openblas

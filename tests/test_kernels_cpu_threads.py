@@ -236,13 +236,17 @@ print(resident_mib() - before)
     assert kept["default"] < 16, kept
 
 
-def test_import_sets_openblas_thread_timeout_unless_set():
-    """`import tinyvit` asks OpenBLAS's idle threads to sleep at once (before NumPy loads), and
+def test_the_first_cpu_kernel_sets_openblas_thread_timeout_unless_set():
+    """`import tinyvit` leaves OPENBLAS_THREAD_TIMEOUT alone and does not load the CPU kernels; the
+    first CPU kernel the switchboard picks asks OpenBLAS's idle threads to sleep at once (4), and
     leaves a value the user set alone."""
-    code = "import os, tinyvit; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    code = ("import os, sys, numpy as np, tinyvit, tinyvit.functional as F\n"
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'tinyvit.kernels.cpu' in sys.modules)\n"
+            "F.gelu(np.ones(3, np.float32))\n"
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'tinyvit.kernels.cpu' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "4"
+    assert out.stdout.split() == ["None", "False", "4", "True"]
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "28"},
                          capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "28"
+    assert out.stdout.split() == ["28", "False", "28", "True"]

@@ -126,11 +126,62 @@ def test_linear(xp, rng, shape, bias):
     gradcheck(lambda *t: F.linear(*t) if bias else F.linear(t[0], t[1]), [x, w] + ([b] if bias else []))
 
 
-def test_linear_skips_input_gradient_when_not_needed(xp, rng):
-    x = tv.Tensor(xp.asarray(rng.standard_normal((3, 4))))
-    w = param(xp, rng, 4, 2)
-    F.linear(x, w).sum().backward()
-    assert x.grad is None and w.grad.shape == (4, 2)
+class CountingProducts(np.ndarray):
+    """A NumPy array that counts the matrix products (np.matmul, ``@``, out= or not) it or a view
+    of it (a transpose) takes part in; every result is a plain array."""
+    products = 0
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.matmul:
+            CountingProducts.products += 1
+
+        def plain(a):
+            return a.view(np.ndarray) if isinstance(a, CountingProducts) else a
+        if "out" in kwargs:
+            kwargs["out"] = tuple(plain(o) for o in kwargs["out"])
+        return getattr(ufunc, method)(*map(plain, inputs), **kwargs)
+
+
+def test_linear_skips_input_gradient_when_not_needed(rng):
+    """Backward computes no dL/dx = gy W^T for an input that wants no gradient (the images under a
+    patch embedding, say): with W an array that counts the products it takes part in, backward makes
+    none, as dL/dW = x^T gy and dL/db need no W; with x wanting a gradient, exactly that one."""
+    for x_wants_grad, products in ((False, 0), (True, 1)):
+        x = tv.Tensor(rng.standard_normal((3, 5, 4)), requires_grad=x_wants_grad)
+        w = tv.Tensor(rng.standard_normal((4, 2)).view(CountingProducts), requires_grad=True)
+        b = param(np, rng, 2)
+        y = F.linear(x, w, b)
+        CountingProducts.products = 0
+        y.backward(rng.standard_normal(y.shape))
+        assert CountingProducts.products == products, f"x wants a gradient: {x_wants_grad}"
+        assert (x.grad is not None) == x_wants_grad and w.grad.shape == (4, 2) and b.grad.shape == (2,)
+
+
+@pytest.mark.parametrize("source,target", [(np.float32, np.float64), (np.float64, np.float32),
+                                           (np.float32, np.float16), (np.float16, np.float32)])
+def test_cast_forward_and_backward(xp, rng, source, target):
+    """Cast (Tensor.astype, Tensor.to(dtype=...), F.cast) gives the values NumPy's astype gives, in the
+    new dtype, and its gradient is the upstream gradient converted back to the input's dtype."""
+    values = rng.standard_normal((3, 4)).astype(source)
+    g = rng.standard_normal((3, 4)).astype(target)
+    for name, convert in (("astype", lambda t: t.astype(target)), ("F.cast", lambda t: F.cast(t, target)),
+                          ("to", lambda t: (t * 1.0).to(dtype=target))):       # a non-leaf: through Cast
+        x = tv.Tensor(xp.asarray(values), requires_grad=True)
+        y = convert(x)
+        assert y.dtype == target and type(y._ctx).__name__ == "Cast", name
+        np.testing.assert_array_equal(to_numpy(y.data), values.astype(target), err_msg=name)
+        y.backward(xp.asarray(g))
+        assert x.grad.dtype == source, name
+        np.testing.assert_array_equal(to_numpy(x.grad), g.astype(source), err_msg=name)
+
+
+def test_cast_gradcheck(xp, rng):
+    """float64 gradient checks with a random upstream gradient: a cast to float64 (the identity), and
+    a round trip through float32 between two float64 ops (steps of 1e-2, so that float32's rounding,
+    1e-7 of the values, stays far below the differences)."""
+    x = param(xp, rng, 3, 4)
+    gradcheck(lambda t: F.cast(t * t, np.float64), [x])
+    gradcheck(lambda t: F.cast(F.cast(t * 3.0, np.float32).exp(), np.float64), [x], eps=1e-2, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-6), (np.float32, 1e-4)])

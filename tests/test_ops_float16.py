@@ -104,3 +104,75 @@ def test_a_vit_in_float16_gives_finite_logits(xp):
     with tv.no_grad():
         logits = model(images).numpy()
     assert logits.dtype == np.float16 and np.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------- backward, and the mechanism
+
+# The ops that declare float16_in_float32 (autograd.Function), with their float16 gradients checked too.
+WIDENED = ["gelu", "gelu_tanh", "layer_norm", "cross_entropy", "cross_entropy_smoothed", "multi_head_attention",
+           "group_norm", "weight_standardize", "mse"]
+
+
+def gradients_both(xp, op, *arrays):
+    """The gradients of op's floating inputs for a random upstream gradient (float16 values), on the
+    inputs in float16 and on the same values in float32: two lists of float64 NumPy arrays."""
+    def run(dtype):
+        inputs = [tv.Tensor(xp.asarray(a.astype(dtype)), requires_grad=True) if a.dtype.kind == "f"
+                  else xp.asarray(a) for a in arrays]
+        out = op(*inputs)
+        g = np.random.default_rng(3).normal(0.0, 1.0, out.shape).astype(np.float16).astype(dtype)
+        with np.errstate(over="ignore"):          # gradients float32 also puts beyond 65504 (check skips them)
+            out.backward(xp.asarray(g))
+        grads = [t.grad for t in inputs if isinstance(t, tv.Tensor)]
+        assert all(gr.dtype == dtype for gr in grads), [gr.dtype for gr in grads]
+        return [np.asarray(tv.backend.to_numpy(gr), dtype=np.float64) for gr in grads]
+    return run(np.float16), run(np.float32)
+
+
+@pytest.mark.parametrize("std", [1.0, 8.0])
+@pytest.mark.parametrize("name", WIDENED)
+def test_no_gradient_overflows_in_float16_where_float32_does_not(xp, name, std):
+    """The ops computed in float32 for float16 inputs are differentiated in float32 too: float16
+    gradients, a number wherever float32's is one float16 can hold, and nearly the same number."""
+    op, inputs = OPS[name]
+    for i, (half, single) in enumerate(zip(*gradients_both(xp, op, *inputs(std)))):
+        check(half, single, f"{name}: gradient of input {i}")
+
+
+def test_float16_in_float32_widens_forward_and_backward_and_rounds_back():
+    """A Function that declares float16_in_float32 sees float32 arrays in forward and backward when
+    its floating inputs are all float16, and its outputs and gradients come back float16; with a
+    float32 among its inputs, or without the declaration, it sees what it is given."""
+    seen = []
+
+    class ProductAndSum(tv.autograd.Function):
+        float16_in_float32 = True
+
+        def forward(self, x, y, factor):
+            seen.append(("forward", x.dtype, y.dtype))
+            self.save(x, y, factor)
+            return x * y * factor, x + y
+
+        def backward(self, g_prod, g_sum):
+            seen.append(("backward", g_prod.dtype, g_sum.dtype))
+            x, y, factor = self.saved
+            return g_prod * y * factor + g_sum, g_prod * x * factor + g_sum
+
+    x = tv.Tensor(np.array([300.0, -2.0], np.float16), requires_grad=True)
+    y = tv.Tensor(np.array([400.0, 3.0], np.float16), requires_grad=True)
+    with np.errstate(over="ignore"):
+        prod, total = ProductAndSum.apply(x, y, 2.0)      # 300 * 400 * 2 = 240000 > 65504: inf in float16
+    assert seen == [("forward", np.float32, np.float32)] and prod._ctx.widened
+    assert prod.dtype == total.dtype == np.float16
+    np.testing.assert_array_equal(prod.data, [np.inf, -12.0])
+    (prod[1] + total[1]).backward()
+    assert seen[1] == ("backward", np.float32, np.float32)
+    assert x.grad.dtype == y.grad.dtype == np.float16
+    np.testing.assert_array_equal(x.grad, [0.0, 3.0 * 2.0 + 1.0])
+    np.testing.assert_array_equal(y.grad, [0.0, -2.0 * 2.0 + 1.0])
+
+    seen.clear()
+    ProductAndSum.apply(x, tv.Tensor(np.ones(2, np.float32)), 1.0)     # a float32 among the inputs
+    ProductAndSum.float16_in_float32 = False
+    ProductAndSum.apply(x, y / 1000.0, 1.0)                            # no declaration
+    assert seen == [("forward", np.float16, np.float32), ("forward", np.float16, np.float16)]

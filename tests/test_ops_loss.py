@@ -6,6 +6,7 @@ import pytest
 import tinyvit as tv
 import tinyvit.functional as F
 from tinyvit.backend import to_numpy
+from tinyvit.ops import loss as loss_ops
 
 from helpers import assert_close, const, param, torch_parity
 
@@ -159,11 +160,27 @@ def test_cross_entropy_float32_in_float32_out(xp, rng, kind):
     assert loss.dtype == np.float32 and logits.grad.dtype == np.float32
 
 
-def test_cross_entropy_no_grad_records_nothing(rng):
+def test_cross_entropy_no_grad_records_nothing(rng, monkeypatch):
+    """Under no_grad the loss of logits that want a gradient records no graph: it has no creator, its
+    Function was told that no input wants a gradient and holds no saved arrays once forward is done,
+    and backward through the loss is refused, leaving the logits without a gradient."""
+    made = []
+    forward = loss_ops.CrossEntropy.forward
+
+    def spy(self, *args, **kwargs):
+        made.append(self)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(loss_ops.CrossEntropy, "forward", spy)
     logits = tv.Tensor(rng.standard_normal((2, 3)), requires_grad=True)
     with tv.no_grad():
         loss = F.cross_entropy(logits, np.array([0, 2]))
-    assert not loss.requires_grad
+    (fn,) = made
+    assert loss.is_leaf and not loss.requires_grad
+    assert fn.needs_input_grad == (False, False, False) and fn.saved == ()
+    with pytest.raises(RuntimeError, match="does not require a gradient"):
+        loss.backward()
+    assert logits.grad is None
 
 
 # ---------------------------------------------------------------- cross_entropy: bad input

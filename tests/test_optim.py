@@ -173,6 +173,21 @@ def test_param_groups_match_torch(torch, xp, cls, extra):
     assert_same(ours, theirs)
 
 
+@pytest.mark.parametrize("cls,kwargs", [("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+                                        ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+                                        ("Adam", dict(lr=0.1, weight_decay=0.01)), ("AdamW", dict(lr=0.1))])
+def test_a_0d_parameter_matches_torch(torch, cls, kwargs):
+    """A parameter with no axes (a learnable scale) keeps arrays, not NumPy scalars, as its state."""
+    ours = [nn.Parameter(np.array(1.5))]
+    theirs = [torch.tensor(1.5, dtype=torch.float64, requires_grad=True)]
+    grads = [[np.array(g)] for g in (0.3, -0.2, 0.7)]
+    opt = getattr(optim, cls)(ours, **kwargs)
+    run_ours(opt, ours, grads, np)
+    run_torch(torch, getattr(torch.optim, cls)(theirs, **kwargs), theirs, grads)
+    assert_same(ours, theirs)
+    assert all(isinstance(v, np.ndarray) for v in opt.state[id(ours[0])].values() if not isinstance(v, int))
+
+
 def test_parameters_without_gradient_are_skipped(torch):
     ours = make_params(np, SHAPES)
     theirs = [torch.tensor(p.data.copy(), requires_grad=True) for p in ours]

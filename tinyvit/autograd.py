@@ -25,11 +25,6 @@ from .backend import get_array_module
 _grad_enabled = True
 
 
-def is_grad_enabled() -> bool:
-    """False inside ``no_grad()``: ops then record nothing and keep no saved arrays."""
-    return _grad_enabled
-
-
 class no_grad(contextlib.ContextDecorator):
     """Context manager (and decorator) that turns graph recording off, as for evaluation."""
 
@@ -42,15 +37,6 @@ class no_grad(contextlib.ContextDecorator):
         global _grad_enabled
         _grad_enabled = self.previous
         return False
-
-
-class enable_grad(no_grad):
-    """Turn recording back on inside a ``no_grad`` block."""
-
-    def __enter__(self):
-        global _grad_enabled
-        self.previous = _grad_enabled
-        _grad_enabled = True
 
 
 def is_array(x) -> bool:
@@ -74,11 +60,22 @@ class Function:
     forward runs (all False when nothing is recorded), so forward can skip saving what backward
     will not use and backward can skip work (e.g. no gradient for input images).
     Only positional arguments are tracked: pass Tensors positionally, options as keywords.
+
+    float16: float16 holds no number above 65504, and a square (a variance's, erf's), a sum of
+    exponentials or an attention score of ordinary activations can exceed it, giving inf or NaN
+    where float32 gives a number. A Function that computes one declares ``float16_in_float32 =
+    True``; when its floating arguments are all float16, ``apply`` hands forward float32 copies and
+    rounds the outputs back to float16, and the engine hands backward float32 gradients and rounds
+    the ones it returns back to float16 (``self.widened`` says it happened). So the op is written
+    once, as plain math in whatever dtype it gets, and float16 is handled here alone.
     """
+
+    float16_in_float32 = False
 
     def __init__(self):
         self.saved = ()
         self.needs_input_grad = ()
+        self.widened = False
 
     def save(self, *values) -> None:
         self.saved = values
@@ -98,9 +95,14 @@ class Function:
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         record = _grad_enabled and any(needs)
         fn.needs_input_grad = needs if record else (False,) * len(args)
+        fn.widened = cls.float16_in_float32 and _all_float16(raw)
+        if fn.widened:
+            raw = _recast(raw, _FLOAT16, _FLOAT32)
         out = fn.forward(*raw, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         outs = tuple(o if is_array(o) else np.asarray(o) for o in outs)  # a full reduction gives a scalar
+        if fn.widened:
+            outs = _recast(outs, _FLOAT32, _FLOAT16)
         results = tuple(Tensor._wrap(o, record) for o in outs)
         if record:
             fn.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
@@ -110,6 +112,19 @@ class Function:
         else:
             fn.saved = ()  # nothing will call backward: let the saved arrays go now
         return results if isinstance(out, tuple) else results[0]
+
+
+_FLOAT16, _FLOAT32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def _all_float16(arrays) -> bool:
+    """Whether the floating arrays among ``arrays`` are all float16 (and there is one)."""
+    return {a.dtype for a in arrays if is_array(a) and a.dtype.kind == "f"} == {_FLOAT16}
+
+
+def _recast(values, old, new):
+    """values (a sequence) with each array of dtype ``old`` converted to ``new``, the rest as they are."""
+    return tuple(v.astype(new) if is_array(v) and v.dtype == old else v for v in values)
 
 
 def _sum_to_shape(g, shape):
@@ -278,6 +293,8 @@ class Tensor:
                 out = ref()
                 if out is not None and out._retain and g is not None:
                     out.grad = _accumulate(out.grad, g)
+            if fn.widened:                   # forward ran in float32 (float16_in_float32): so does backward
+                grad_outputs = _recast(grad_outputs, _FLOAT16, _FLOAT32)
             grads_in = fn.backward(*grad_outputs)
             if not isinstance(grads_in, tuple):
                 grads_in = (grads_in,)
@@ -290,6 +307,8 @@ class Tensor:
                 if not is_array(g):     # a NumPy scalar, from arithmetic on 0-d arrays
                     g = np.asarray(g)
                 g = _sum_to_shape(g, t.shape)
+                if fn.widened and g.dtype == _FLOAT32:
+                    g = g.astype(_FLOAT16)           # back to the float16 input's dtype
                 if g.dtype != t.dtype:
                     raise RuntimeError(f"{type(fn).__name__}.backward returned a {g.dtype} gradient "
                                        f"for a {t.dtype} input (a silent dtype change is a bug)")

@@ -100,8 +100,8 @@ class Optimizer:
 
     def step(self) -> None:
         """Update every parameter that has a gradient (those with ``grad is None`` are skipped), one
-        after the other with ``_update``; with kernels on, kernels/cpu/optim.py shares the large
-        ones' updates among threads (each parameter's update is independent of the others')."""
+        after the other with ``_update``; with kernels on, the switchboard's kernel takes them all
+        (kernels/cpu/optim.py: the same updates in place, the large parameters' among threads)."""
         items = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -138,13 +138,9 @@ class Optimizer:
         [index, ...]}, ...]} with parameters numbered in group order (as PyTorch). The arrays are the
         live state arrays (copy them for a snapshot); everything else is a plain number or tuple, so the
         whole thing can be flattened into a safetensors or npz file."""
-        index, groups = {}, []
-        for group in self.param_groups:
-            ids = []
-            for p in group["params"]:
-                index.setdefault(id(p), len(index))
-                ids.append(index[id(p)])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [index[id(p)] for p in group["params"]]} for group in self.param_groups]
         state = {index[pid]: dict(s) for pid, s in self.state.items() if pid in index and s}
         return {"state": state, "param_groups": groups}
 
@@ -161,43 +157,37 @@ class Optimizer:
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"load_state_dict: group {i} has {len(saved['params'])} parameters in the saved "
                                  f"state, {len(group['params'])} here")
-            for idx, p in zip(saved["params"], group["params"]):
-                params[int(idx)] = p
+            params.update(zip(map(int, saved["params"]), group["params"]))
         new_state = {}
         for idx, saved in state_dict["state"].items():
-            idx = int(idx)
-            if idx not in params:
+            p = params.get(int(idx))
+            if p is None:
                 raise ValueError(f"load_state_dict: state for parameter {idx}, which no group lists")
-            p = params[idx]
-            xp = backend.get_array_module(p.data)
-            entry = {}
-            for key, value in saved.items():
-                value = value.data if isinstance(value, Tensor) else value
-                if key == "step":
-                    entry[key] = int(value)
-                elif is_array(value) and (value.ndim > 0 or p.ndim == 0):
-                    if tuple(value.shape) != tuple(p.shape):
-                        raise ValueError(f"load_state_dict: {key} of parameter {idx} has shape "
-                                         f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
-                    entry[key] = xp.array(backend.to_device(value, backend.device_of(p.data)), dtype=p.dtype,
-                                          copy=True)
-                else:
-                    entry[key] = _plain(value)
-            new_state[id(p)] = entry
+            new_state[id(p)] = {key: _loaded(value, key, p, idx) for key, value in saved.items()}
         self.state = new_state
         for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = _plain(value)
+            group.update((key, _plain(value)) for key, value in saved.items() if key != "params")
+
+
+def _loaded(value, key, p, idx):
+    """A saved state entry of parameter p (number idx) as the optimizer keeps it: the step count an
+    int, a moment a copy in p's dtype on p's device (of p's shape), anything else a plain number."""
+    if key == "step":
+        return int(value)
+    if not (is_array(value) and (value.ndim > 0 or p.ndim == 0)):
+        return _plain(value)
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"load_state_dict: {key} of parameter {idx} has shape {tuple(value.shape)}, "
+                         f"the parameter {tuple(p.shape)}")
+    xp = backend.get_array_module(p.data)
+    return xp.array(backend.to_device(value, backend.device_of(p.data)), dtype=p.dtype, copy=True)
 
 
 def _plain(value):
-    """A number or tuple from whatever a checkpoint file gave back (0-d arrays, lists)."""
-    if hasattr(value, "shape") and tuple(value.shape) == ():
-        return value.item()
-    if isinstance(value, list) or (hasattr(value, "shape") and hasattr(value, "tolist")):
-        return tuple(value.tolist() if hasattr(value, "tolist") else value)
-    return value
+    """A Python number or tuple from what a checkpoint file gave back (0-d or 1-d arrays, lists)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()                 # a 0-d array or NumPy scalar -> a number; 1-d -> a list
+    return tuple(value) if isinstance(value, list) else value
 
 
 # ====================================================================== the optimizers
@@ -228,13 +218,13 @@ class SGD(Optimizer):
         if wd != 0:
             g = g + wd * p.data
         if mu != 0:
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = g.copy()   # a copy: the buffer is updated in place later
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = backend.get_array_module(g).copy(g)   # an array of its own
             else:
-                buf *= mu
-                buf += (1 - tau) * g
-            g = g + mu * buf if group["nesterov"] else buf
+                b = state["momentum_buffer"]
+                b[...] = mu * b + (1 - tau) * g
+            b = state["momentum_buffer"]
+            g = g + mu * b if group["nesterov"] else b
         p.data -= lr * g
 
 
@@ -246,9 +236,15 @@ class Adam(Optimizer):
         m <- beta1 m + (1 - beta1) g                    (first moment, m_0 = 0)
         v <- beta2 v + (1 - beta2) g^2                  (second moment, v_0 = 0)
         p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    The last line is the paper's p <- p - lr m_hat / (sqrt(v_hat) + eps) with the bias-corrected
+    moments m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t) folded, as PyTorch folds them, into
+    a step size lr / (1 - beta1^t) and a divisor sqrt(1 - beta2^t): PyTorch's numbers (to rounding),
+    and those of the kernels, which repeat these operations in this order (kernels/cpu/optim.py in
+    place and among threads, kernels/cuda/optim.py in one launch: both bit for bit).
     """
 
-    _decoupled = False
+    _decoupled = False          # AdamW: True (kernels/cpu/optim.py and kernels/cuda/optim.py read it)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -265,29 +261,16 @@ class Adam(Optimizer):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         xp = backend.get_array_module(p.data)
         if not state:
-            state["step"] = 0
-            state["exp_avg"] = xp.zeros_like(p.data)
-            state["exp_avg_sq"] = xp.zeros_like(p.data)
+            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
         state["step"] = t = state["step"] + 1              # a Python int: no device round trip
-        if wd != 0:
-            if self._decoupled:
-                p.data *= 1 - lr * wd                         # AdamW: p <- p - lr lambda p
-            else:
-                g = g + wd * p.data                           # Adam: L2 penalty in the gradient
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        scratch = xp.multiply(g, 1 - b1)                  # the one temporary array of the update
-        m *= b1
-        m += scratch                                      # m <- beta1 m + (1 - beta1) g
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1 - b2
-        v *= b2
-        v += scratch                                      # v <- beta2 v + (1 - beta2) g^2
-        denom = xp.sqrt(v, out=scratch)
-        denom /= math.sqrt(1 - b2 ** t)
-        denom += eps
-        step = xp.divide(m, denom, out=denom)
-        step *= lr / (1 - b1 ** t)
-        p.data -= step
+        if wd != 0 and self._decoupled:
+            p.data *= 1 - lr * wd                         # AdamW: p <- p - lr lambda p
+        elif wd != 0:
+            g = g + wd * p.data                           # Adam: the L2 penalty's gradient
+        m[...] = b1 * m + (1 - b1) * g                    # [...]: into the state's own arrays
+        v[...] = b2 * v + (1 - b2) * (g * g)
+        p.data -= lr / (1 - b1 ** t) * (m / (xp.sqrt(v) / math.sqrt(1 - b2 ** t) + eps))
 
 
 class AdamW(Adam):

@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-import tinyvit  # noqa: F401  (sets OPENBLAS_THREAD_TIMEOUT before NumPy's BLAS starts its threads)
+import tinyvit  # noqa: F401
 from tinyvit.bench import machine, step
-from tinyvit.kernels.cpu import threads as cpu_pool
+from tinyvit.kernels.cpu import threads as cpu_pool  # (importing the CPU kernels applies OPENBLAS_THREAD_TIMEOUT)
 from tinyvit.models import config_for
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112

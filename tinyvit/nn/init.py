@@ -49,11 +49,6 @@ def ones_(param):
     return _fill(param, np.ones(param.shape))
 
 
-def constant_(param, value: float):
-    """param = value everywhere."""
-    return _fill(param, np.full(param.shape, float(value)))
-
-
 def uniform_(param, a: float = 0.0, b: float = 1.0):
     """param ~ U(a, b)."""
     return _fill(param, backend.rng().uniform(a, b, size=param.shape))
@@ -91,23 +86,10 @@ def xavier_uniform_(param, gain: float = 1.0):
     return uniform_(param, -bound, bound)
 
 
-def xavier_normal_(param, gain: float = 1.0):
-    """param ~ N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out))."""
-    fan_in, fan_out = calculate_fans(param.shape)
-    return normal_(param, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))
-
-
 def kaiming_normal_(param, mode: str = "fan_in", gain: float = math.sqrt(2.0)):
     """He et al. (2015): param ~ N(0, std^2), std = gain / sqrt(fan), gain sqrt(2) for ReLU nets."""
     fan = _fan(param, mode)
     return normal_(param, 0.0, gain / math.sqrt(fan))
-
-
-def kaiming_uniform_(param, mode: str = "fan_in", gain: float = math.sqrt(2.0)):
-    """param ~ U(-bound, bound), bound = gain * sqrt(3 / fan)."""
-    fan = _fan(param, mode)
-    bound = gain * math.sqrt(3.0 / fan)
-    return uniform_(param, -bound, bound)
 
 
 def lecun_normal_(param):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, shape_of, widened
+from .common import require_float, shape_of
 
 # ---------------------------------------------------------------- erf (Cody 1969)
 
@@ -103,21 +103,22 @@ _TANH_C = 0.044715
 class GELU(Function):
     """Gaussian error linear unit (Hendrycks & Gimpel 2016), the MLP non-linearity of ViT (Eq. 3).
 
-    x: any shape -> y: same shape (float16 is computed in float32 and rounded back)
+    x: any shape -> y: same shape
       y = x Phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2        (the standard normal CDF)
       dy/dx = Phi(x) + x phi(x),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
     """
 
+    float16_in_float32 = True            # erf's rational and x^2 overflow float16 for |x| of a few units
+
     def forward(self, x):
-        w = widened(x)                   # float16: erf's rational and x^2 overflow it for |x| of a few units
-        cdf = normal_cdf(w)
-        self.save(w, cdf)
-        return (w * cdf).astype(x.dtype, copy=False)
+        cdf = normal_cdf(x)
+        self.save(x, cdf)
+        return x * cdf
 
     def backward(self, gy):
         x, cdf = self.saved
         pdf = get_array_module(x).exp(-0.5 * x * x) * _INV_SQRT_2PI
-        return (widened(gy) * (cdf + x * pdf)).astype(gy.dtype, copy=False)
+        return gy * (cdf + x * pdf)
 
 
 class GELUTanh(Function):
@@ -129,19 +130,21 @@ class GELUTanh(Function):
       dy/dx = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2
     """
 
+    float16_in_float32 = True            # x^3 overflows float16 from |x| = 40
+
     def forward(self, x):
-        xp, w = get_array_module(x), widened(x)
+        xp = get_array_module(x)
         with np.errstate(over="ignore", invalid="ignore"):   # |x| > 1e13 in float32: x^3 is inf
-            t = xp.tanh(_SQRT_2_OVER_PI * (w + _TANH_C * w * w * w))
-        self.save(w, t)
-        return (0.5 * w * (1.0 + t)).astype(x.dtype, copy=False)
+            t = xp.tanh(_SQRT_2_OVER_PI * (x + _TANH_C * x * x * x))
+        self.save(x, t)
+        return 0.5 * x * (1.0 + t)
 
     def backward(self, gy):
         x, t = self.saved
         with np.errstate(over="ignore", invalid="ignore"):
             du_dx = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * x * x)
             dy_dx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du_dx
-        return (widened(gy) * dy_dx).astype(gy.dtype, copy=False)
+        return gy * dy_dx
 
 
 # ---------------------------------------------------------------- softmax and log-softmax

@@ -16,7 +16,7 @@ import math
 
 from ..autograd import Function
 from ..backend import get_array_module, random_uniform
-from .common import require_float, require_ndim, require_same_dtype, shape_of, widened
+from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
 class MultiHeadAttention(Function):
@@ -39,6 +39,8 @@ class MultiHeadAttention(Function):
         dqkv = [dq | dk | dv],  dx = dqkv U_qkv^T,  dU_qkv = x^T dqkv,  db_qkv = sum dqkv
     """
 
+    float16_in_float32 = True            # the scores q k^T of ordinary activations overflow float16
+
     def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
                 return_attention=False):
         xp = get_array_module(x)
@@ -51,11 +53,9 @@ class MultiHeadAttention(Function):
             qkv = qkv + b_qkv
         q, k, v = _split_heads(qkv.reshape(b, n, 3, h, dh))   # each (B, H, N, D_h)
 
-        # Eq. 6, with float16 q and k in float32: the scores of ordinary activations overflow float16
-        logits = (widened(q) @ widened(k).swapaxes(-1, -2)) / math.sqrt(dh)   # (B, H, N, N)
+        logits = (q @ k.swapaxes(-1, -2)) / math.sqrt(dh)          # (B, H, N, N), Eq. 6
         a = xp.exp(logits - logits.max(axis=-1, keepdims=True))   # softmax, shifted against overflow
         a /= a.sum(axis=-1, keepdims=True)
-        a = a.astype(x.dtype, copy=False)
 
         mask, keep_scale, a_drop = None, 1.0, a
         if training and attn_dropout > 0.0:

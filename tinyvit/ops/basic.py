@@ -317,13 +317,10 @@ class MatMul(Function):
     """y = a @ b (batched, broadcasting; 1-D operands as in NumPy).
 
     dL/da = gy @ b^T,  dL/db = a^T @ gy  (the engine sums over broadcast batch axes).
-    A stack of rows times one matrix, (..., K) @ (K, M), runs as one 2-D GEMM over all rows.
     """
 
     def forward(self, a, b):
         self.save(a, b)
-        if b.ndim == 2 and a.ndim > 2:
-            return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[-1])
         return a @ b
 
     def backward(self, gy):
@@ -336,18 +333,8 @@ class MatMul(Function):
             gy2 = gy2[..., None]
         if a.ndim == 1:
             gy2 = gy2[..., None, :]
-        ga = gb = None
-        if b2.ndim == 2 and a2.ndim > 2:       # the 2-D GEMM path of forward
-            rows_a, rows_g = a2.reshape(-1, a2.shape[-1]), gy2.reshape(-1, gy2.shape[-1])
-            if self.needs_input_grad[0]:
-                ga = (rows_g @ b2.T).reshape(a2.shape)
-            if self.needs_input_grad[1]:
-                gb = rows_a.T @ rows_g
-        else:
-            if self.needs_input_grad[0]:
-                ga = gy2 @ _swap(b2)
-            if self.needs_input_grad[1]:
-                gb = _swap(a2) @ gy2
+        ga = gy2 @ _swap(b2) if self.needs_input_grad[0] else None
+        gb = _swap(a2) @ gy2 if self.needs_input_grad[1] else None
         if ga is not None and a.ndim == 1:
             ga = ga.reshape(-1, a.shape[0]).sum(axis=0)
         if gb is not None and b.ndim == 1:

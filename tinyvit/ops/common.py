@@ -1,18 +1,5 @@
-"""Input validation shared by the ops: messages that name the problem, its shapes and the fix; and
-``widened``, the float32 in which ops compute what would overflow float16."""
+"""Input validation shared by the ops: messages that name the problem, its shapes and the fix."""
 from __future__ import annotations
-
-import numpy as np
-
-from ..autograd import Tensor
-
-
-def widened(x):
-    """x itself, or float16 x as float32. float16 holds no more than 65504: a square (erf's, a
-    variance's), an attention score or a sum of log-probabilities of ordinary activations can exceed
-    it and give inf or NaN where float32 gives a number; the ops that compute one do it in float32
-    and round the result back to float16."""
-    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
 
 # ---------------------------------------------------------------- input validation
 
@@ -42,10 +29,6 @@ def require_ndim(op: str, name: str, x, ndims, meaning: str) -> None:
     nd = len(shape_of(x))
     if nd not in (ndims if isinstance(ndims, (tuple, list)) else (ndims,)):
         raise ValueError(f"{op}: {name} must be {meaning}, got shape {shape_of(x)}")
-
-
-def is_tensor(x) -> bool:
-    return isinstance(x, Tensor)
 
 
 def require_same_dtype(op: str, **named) -> None:

@@ -7,7 +7,7 @@ import math
 
 from ..autograd import Function, Tensor
 from ..backend import get_array_module
-from .common import dtype_of, require_float, shape_of, widened
+from .common import dtype_of, require_float, shape_of
 
 
 class CrossEntropy(Function):
@@ -22,10 +22,12 @@ class CrossEntropy(Function):
       dL/dlogits = gy (softmax(logits) - t) / n,   dL/dt = -gy (1 - eps) z / n   (probabilities only)
     """
 
+    float16_in_float32 = True            # the sum of the log-probabilities overflows float16
+
     def forward(self, logits, target, label_smoothing):
         xp = get_array_module(logits)
         k = logits.shape[-1]
-        z = widened(logits).reshape(-1, k)        # (n, K); float16 in float32: sum z overflows it
+        z = logits.reshape(-1, k)                                   # (n, K)
         z = z - z.max(axis=1, keepdims=True)
         z -= xp.log(xp.exp(z).sum(axis=1, keepdims=True))           # log-probabilities
         n, eps = z.shape[0], label_smoothing
@@ -55,9 +57,9 @@ class CrossEntropy(Function):
             if eps:
                 p -= eps / k
             p *= g
-            dlogits = p.reshape(logits_shape).astype(gy.dtype, copy=False)
+            dlogits = p.reshape(logits_shape)
         if t.ndim == 2 and self.needs_input_grad[1]:
-            dtarget = (z * (-(1.0 - eps) * g)).reshape(target_shape).astype(gy.dtype, copy=False)
+            dtarget = (z * (-(1.0 - eps) * g)).reshape(target_shape)
         return dlogits, dtarget, None
 
 
@@ -68,12 +70,12 @@ class MSE(Function):
       dL/dpred = 2 gy (pred - target) / n,  dL/dtarget = -dL/dpred
     """
 
+    float16_in_float32 = True            # a difference of 256 squared overflows float16
+
     def forward(self, pred, target):
-        xp = get_array_module(pred)
         diff = pred - target
         self.save(diff)
-        wide = widened(diff)                      # float16 in float32: a difference of 256 squared overflows it
-        return xp.asarray((wide * wide).mean(), dtype=pred.dtype)
+        return (diff * diff).mean()
 
     def backward(self, gy):
         (diff,) = self.saved

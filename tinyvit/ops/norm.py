@@ -16,22 +16,20 @@ from __future__ import annotations
 
 from ..autograd import Function
 from ..backend import get_array_module
-from .common import require_float, require_ndim, require_same_dtype, shape_of, widened
+from .common import require_float, require_ndim, require_same_dtype, shape_of
 
 
 def _standardize_rows(x2, eps):
-    """x2: (R, n) -> x_hat (R, n) in x2's dtype, inv_std (R, 1): each row to zero mean, unit (biased)
-    variance. float16 rows are standardised in float32 (a deviation of 256 squared overflows float16)."""
-    xp, wide = get_array_module(x2), widened(x2)
-    x_hat = wide - wide.mean(axis=-1, keepdims=True)
+    """x2: (R, n) -> x_hat (R, n), inv_std (R, 1): each row to zero mean, unit (biased) variance."""
+    xp = get_array_module(x2)
+    x_hat = x2 - x2.mean(axis=-1, keepdims=True)
     inv_std = 1.0 / xp.sqrt((x_hat * x_hat).mean(axis=-1, keepdims=True) + eps)
-    return (x_hat * inv_std).astype(x2.dtype, copy=False), inv_std
+    return x_hat * inv_std, inv_std
 
 
 def _standardize_rows_backward(g, x_hat, inv_std):
     """dL/dx for x_hat = standardize_rows(x), given g = dL/dx_hat; all (R, n) but inv_std (R, 1)."""
-    dx = inv_std * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
-    return dx.astype(g.dtype, copy=False)                  # inv_std is float32 for float16 rows
+    return inv_std * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
 
 
 class LayerNorm(Function):
@@ -41,6 +39,8 @@ class LayerNorm(Function):
     Backward: dL/dx as in the module docstring with g = gy * gamma,
               dL/dgamma = sum over rows of gy * x_hat,  dL/dbeta = sum over rows of gy.
     """
+
+    float16_in_float32 = True            # a deviation of 256 squared overflows float16
 
     def forward(self, x, gamma, beta, eps):
         x_hat, inv_std = _standardize_rows(x.reshape(-1, x.shape[-1]), eps)    # (R, D), (R, 1)
@@ -68,6 +68,8 @@ class GroupNorm(Function):
     Backward: the row backward on the (B*G, C/G * prod(spatial)) view with g = gy * gamma[c];
               dL/dgamma[c] = sum over batch and space of gy * x_hat, dL/dbeta[c] = sum of gy.
     """
+
+    float16_in_float32 = True            # as LayerNorm
 
     def forward(self, x, num_groups, gamma, beta, eps):
         b, c = x.shape[0], x.shape[1]
@@ -104,6 +106,8 @@ class WeightStandardize(Function):
     kernel w[o] is standardised over (in, kh, kw):  w_hat[o] = (w[o] - mean) / sqrt(var + eps).
     Backward: LayerNorm's without the affine part, on the (out, in*kh*kw) view.
     """
+
+    float16_in_float32 = True            # as LayerNorm
 
     def forward(self, w, eps):
         w_hat, inv_std = _standardize_rows(w.reshape(w.shape[0], -1), eps)   # (O, M), (O, 1)
