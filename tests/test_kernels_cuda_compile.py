@@ -5,9 +5,12 @@ SOURCE for every architecture of kernels.cuda.SM_ARCHS, so a kernel that does no
 CI sets TINYVIT_REQUIRE_NVRTC=1: there a missing NVRTC is a failure, not a skip. Whether the kernels
 compute the right numbers is for the GPU tests (tests/test_kernels_cuda_*.py, `pytest -m gpu`).
 """
+import fnmatch
 import importlib
 import os
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,44 @@ def test_kernel_source_compiles(module, arch):
     nvrtc = _nvrtc()
     source = importlib.import_module(f"tinyvit.kernels.cuda.{module}").SOURCE
     assert len(compile_source(nvrtc, source, module, arch)) > 0
+
+
+def test_each_kernel_module_reads_its_cu_file():
+    """kernels/cuda/<op>.py's SOURCE is <op>.cu beside it, read at import, with the headers it
+    includes spliced in (no #include of a project file is left for NVRTC to look up), and no CUDA
+    C++ is left in a Python string."""
+    here = Path(cuda.__file__).parent
+    for module in MODULES:
+        loaded = importlib.import_module(f"tinyvit.kernels.cuda.{module}")
+        assert (here / f"{module}.cu").is_file(), f"no kernels/cuda/{module}.cu"
+        assert loaded.SOURCE == cuda.load_source(f"{module}.cu")
+        assert not re.search(r'^#include "', loaded.SOURCE, re.MULTILINE), module
+        python = (here / f"{module}.py").read_text()
+        assert "__global__" not in python and "__device__" not in python, f"CUDA C++ left in {module}.py"
+    assert {p.stem for p in here.glob("*.cu")} == set(MODULES)
+
+
+def test_load_source_keeps_file_and_line_for_messages(tmp_path, monkeypatch):
+    """A spliced header sits between #line directives: after it, the .cu file's own line numbers."""
+    (tmp_path / "h.cuh").write_text("// header line 1\n// header line 2\n")
+    (tmp_path / "k.cu").write_text('// line 1\n#include "h.cuh"   // why\n// line 3\n')
+    monkeypatch.setattr(cuda, "HERE", tmp_path)
+    assert cuda.load_source("k.cu") == ('#line 1 "k.cu"\n// line 1\n#line 1 "h.cuh"\n// header line 1\n'
+                                        '// header line 2\n\n#line 3 "k.cu"\n// line 3\n')
+
+
+def test_the_cuda_sources_are_package_data():
+    """An installed wheel carries every .cu and .cuh file (and passed.json): each matches a pattern of
+    pyproject.toml's package data for tinyvit.kernels.cuda."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "tinyvit.kernels.cuda"]
+    here = Path(cuda.__file__).parent
+    files = [p.name for p in here.iterdir() if p.suffix in (".cu", ".cuh", ".json")]
+    assert {"common.cuh", "passed.json"} <= set(files)
+    for name in files:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), f"{name} is not package data"
 
 
 def test_a_broken_kernel_fails_to_compile():

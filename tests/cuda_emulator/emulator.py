@@ -1,4 +1,4 @@
-"""Run the CUDA C++ of a tinyvit/kernels/cuda/<op>.py module on the CPU, on NumPy arrays.
+"""Run the CUDA C++ of a tinyvit/kernels/cuda/<op>.cu file (its module's SOURCE) on the CPU, on NumPy arrays.
 
 build() compiles the module's SOURCE with g++ (C++20) against shim.h, which emulates the CUDA
 features the kernels use: one std::thread per CUDA thread, the blocks of a grid one after another

@@ -1,5 +1,5 @@
-// Host (g++, C++20) emulation of the CUDA C++ that tinyvit's kernels (tinyvit/kernels/cuda/*.py SOURCE)
-// use, for tests/cuda_emulator/emulator.py. What is emulated:
+// Host (g++, C++20) emulation of the CUDA C++ that tinyvit's kernels (tinyvit/kernels/cuda/*.cu,
+// each module's SOURCE) use, for tests/cuda_emulator/emulator.py. What is emulated:
 //   - one std::thread per CUDA thread; the blocks of a grid run one after another, the threads of a
 //     block all at once (threadIdx, blockIdx, blockDim, gridDim as in CUDA);
 //   - __syncthreads as a barrier of the block (a thread that returns drops out of it, as on sm_70+);
