@@ -81,30 +81,35 @@ def compare(kernel_fn, reference_fn, arrays, upstream, dtype, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layernorm(emulate, dtype):
+@pytest.mark.parametrize("shape", [(3, 7), (9, 1)])
+def test_layernorm(emulate, dtype, shape):
+    """Rows of 7 elements, and of one (x_hat = 0 and rstd = 1/sqrt(eps) = 316: dL/dx = rstd (g - mean(g))
+    must come out exactly 0, which a fused g * gamma - mean(g) does not give: the H100's first run)."""
     run = emulate("layernorm")
     rng = np.random.default_rng(0)
-    x, gamma, beta = rng.standard_normal((3, 7)) * 2 + 1, rng.standard_normal(7), rng.standard_normal(7)
+    d = shape[-1]
+    x, gamma, beta = rng.standard_normal(shape) * 2 + 1, rng.standard_normal(d), rng.standard_normal(d)
     compare(lambda *t: k_layernorm.LayerNorm.apply(*t, 1e-5), lambda *t: norm.LayerNorm.apply(*t, 1e-5),
-            [x, gamma, beta], [rng.standard_normal((3, 7))], dtype, "LayerNorm")
+            [x, gamma, beta], [rng.standard_normal(shape)], dtype, f"LayerNorm {shape}")
     assert {name for name, *_ in run.log} >= {f"{k}_{'f64' if dtype == np.float64 else 'f32'}" for k in
                                               ("layer_norm_forward", "layer_norm_backward_dx",
                                                "layer_norm_param_grads", "sum_chunks")}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_layernorm(emulate, dtype):
+@pytest.mark.parametrize("shape", [(2, 3, 7), (9, 1)])
+def test_add_layernorm(emulate, dtype, shape):
     emulate("layernorm")
     rng = np.random.default_rng(1)
-    data = [rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7)), rng.standard_normal(7),
-            rng.standard_normal(7)]
+    d = shape[-1]
+    data = [rng.standard_normal(shape), rng.standard_normal(shape), rng.standard_normal(d), rng.standard_normal(d)]
 
     def reference(x, branch, gamma, beta):
         s = x + branch
         return s, norm.LayerNorm.apply(s, gamma, beta, 1e-6)
 
     compare(lambda *t: k_layernorm.AddLayerNorm.apply(*t, 1e-6), reference, data,
-            [rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))], dtype, "AddLayerNorm")
+            [rng.standard_normal(shape), rng.standard_normal(shape)], dtype, f"AddLayerNorm {shape}")
 
 
 # ---------------------------------------------------------------- gelu
@@ -264,6 +269,26 @@ def test_a_missing_syncthreads_fails(libraries, emulate, monkeypatch):
     emulate("layernorm", emulator.build(mutated, libraries[1]))
     with pytest.raises(AssertionError, match="gradient [12]"):
         check("LayerNorm without __syncthreads")
+
+
+CONTRACTION = r"""
+extern "C" __global__ void product_minus_rounded_product(const float* a, float* out) {
+    const float rounded = __fmul_rn(a[0], a[1]);
+    out[0] = a[0] * a[1] - rounded;               // contracted: fma(a0, a1, -rounded), the rounding error
+    out[1] = __fmul_rn(a[0], a[1]) - rounded;     // an _rn product is never fused: exactly 0
+}
+"""
+
+
+def test_the_emulator_fuses_multiply_adds_as_a_gpu_does(tmp_path):
+    """a * b - round(a * b) is the product's rounding error where the compiler fuses it into an FMA
+    (NVRTC does, and the emulator's build, on a CPU with FMA instructions), 0 with __fmul_rn."""
+    if not emulator.FMA:
+        pytest.skip("this CPU has no FMA instructions: the emulator cannot fuse multiply-adds here")
+    kernel = emulator.Emulation(emulator.build(CONTRACTION, tmp_path)).kernel(CONTRACTION, "product_minus_rounded_product")
+    a, out = np.array([1 + 2 ** -12, 1 + 2 ** -13], np.float32), np.full(2, np.nan, np.float32)
+    kernel((1,), (1,), (a, out))
+    assert out[0] == np.float32(2 ** -25) and out[1] == 0, out
 
 
 def test_a_wrong_argument_type_is_reported(libraries):

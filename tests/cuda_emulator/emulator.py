@@ -12,16 +12,19 @@ array of the pointer's element type, or np.uintp(0) for NULL; grid and block lim
 memory beyond 48 KB only after opting in through max_dynamic_shared_size_bytes), then runs the
 compiled kernel on the arrays' memory.
 
-Not emulated (see shim.h): warp scheduling and lockstep, the CUDA memory model, atomics, and the
-last-ulp behaviour of the device math functions and of nvcc's fused multiply-adds. So a passing
-emulation proves the kernels' indexing, synchronisation structure and arithmetic, with float64 to
-rounding and float32 to a few ulps of what a GPU computes; it does not prove their speed, nor the
-absence of every race a real GPU might expose.
+Arithmetic as on a GPU where it matters: multiply-adds fused wherever the compiler sees one (FLAGS,
+when the CPU has FMA instructions; the GPU compiler fuses the same patterns, if not always the same
+instances). Not emulated (see shim.h): warp scheduling and lockstep, the CUDA memory model, atomics,
+the last-ulp behaviour of the device math functions. So a passing emulation proves the kernels'
+indexing, synchronisation structure and arithmetic, with float64 to rounding and float32 to a few
+ulps of what a GPU computes; it does not prove their speed, nor the absence of every race a real
+GPU might expose.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import platform
 import re
 import shutil
 import subprocess
@@ -32,9 +35,29 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 CXX = "g++"
+
+
+def _cpu_has_fma() -> bool:
+    """Whether this CPU has fused multiply-add instructions (x86: the fma flag; arm64 always has them)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    try:
+        return any(line.startswith("flags") and " fma" in line for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
+FMA = _cpu_has_fma()
 # -fno-gnu-unique: each build keeps its own function statics (static __shared__ arrays), even when
-# a mutated copy of a SOURCE is loaded beside the original
-FLAGS = ("-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique")
+# a mutated copy of a SOURCE is loaded beside the original.
+# Contraction as on a GPU: NVRTC and ptxas fuse a * b + c into one FMA (exact product, one rounding)
+# wherever the data flow allows, which changes results (a LayerNorm row of one element: g - mean(g)
+# with g = gy * gamma came out as the product's rounding error, not 0). g++ does the same with
+# -ffp-contract=fast (off under -std=c++20 by default) and FMA instructions (-mfma); -O3 unswitches
+# loops on a flag as ptxas's input does (if (has_gamma) g *= gamma[i] becomes a loop of its own,
+# where the product meets the subtraction). The _rn intrinsics stay unfused (shim.h).
+FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-ffp-contract=fast",
+         *(("-mfma",) if FMA and platform.machine().lower() in ("x86_64", "amd64") else ()))
 STATIC_SHARED_LIMIT = 48 * 1024
 OPTIN_LIMIT = 166912                 # an A100's shared memory per block for kernels that opt in
 C_POINTERS = {"float": np.float32, "double": np.float64, "long long": np.int64, "int": np.int32}

@@ -8,6 +8,14 @@
 __device__ __forceinline__ float inv_sqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double inv_sqrt(double v) { return rsqrt(v); }
 
+// g = dL/dy * gamma, rounded once (an _rn product is never fused into an FMA): the two passes of
+// layer_norm_backward_dx must see the same g, bit for bit. A plain product would be fused into the
+// second pass's g - mean(g) (the exact product minus the rounded one), and a row of one element,
+// where that difference must be exactly 0, would get the product's rounding error times rstd =
+// 1/sqrt(eps) (1e-5 in float32 on an H100).
+__device__ __forceinline__ float scaled(float g, float gamma) { return __fmul_rn(g, gamma); }
+__device__ __forceinline__ double scaled(double g, double gamma) { return __dmul_rn(g, gamma); }
+
 // ---------------------------------------------------------------- forward: one warp per row
 
 // s = x + branch (if has_branch; s is then written), y = (s - mean) * rstd * gamma + beta.
@@ -67,8 +75,7 @@ __device__ void layer_norm_backward_dx(const T* gy, const T* x, const T* mean, c
 
     T sum_g = 0, sum_gx = 0;
     for (int i = lane; i < d; i += 32) {
-        T g = gy[start + i];
-        if (has_gamma) g *= gamma[i];
+        const T g = has_gamma ? scaled(gy[start + i], gamma[i]) : gy[start + i];
         const T x_hat = (x[start + i] - mu) * r;
         sum_g += g;
         sum_gx += g * x_hat;
@@ -77,8 +84,7 @@ __device__ void layer_norm_backward_dx(const T* gy, const T* x, const T* mean, c
     const T mean_gx = warp_sum(sum_gx) / (T)d;
 
     for (int i = lane; i < d; i += 32) {
-        T g = gy[start + i];
-        if (has_gamma) g *= gamma[i];
+        const T g = has_gamma ? scaled(gy[start + i], gamma[i]) : gy[start + i];
         const T x_hat = (x[start + i] - mu) * r;
         T v = r * (g - mean_g - x_hat * mean_gx);
         if (has_gs) v += gs[start + i];
