@@ -103,6 +103,16 @@ def test_the_cuda_sources_are_package_data():
         assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), f"{name} is not package data"
 
 
+def test_ci_compiles_with_the_options_cupy_adds():
+    """CuPy compiles every kernel with -ftz=true (float32 denormals flushed): CI compiles with it too,
+    so the PTX it checks is the PTX a GPU runs (float32 arithmetic as .ftz instructions)."""
+    assert "-ftz=true" in cuda.NVRTC_OPTIONS
+    from cuda_checks import ptx_by_entry
+    from tinyvit.kernels.cuda import gelu
+    ptx = ptx_by_entry(gelu.SOURCE)["gelu_forward_f32"]
+    assert ".ftz.f32" in ptx and ".ftz.f64" not in ptx
+
+
 def test_a_broken_kernel_fails_to_compile():
     """The check can fail: a kernel with a type error is reported with NVRTC's log."""
     nvrtc = _nvrtc()

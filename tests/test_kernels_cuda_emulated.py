@@ -291,6 +291,22 @@ def test_the_emulator_fuses_multiply_adds_as_a_gpu_does(tmp_path):
     assert out[0] == np.float32(2 ** -25) and out[1] == 0, out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float32_denormals_are_flushed_as_on_a_gpu(emulate, dtype):
+    """CuPy compiles with -ftz=true: a float32 kernel reads a denormal as 0 and writes 0 for one, a
+    float64 kernel keeps them. GELU(1e-39) = 5e-40: 0 in float32, as a GPU gives; in float64 (where
+    1e-39 is normal) 5e-40; 1e-310 (a float64 denormal) stays too."""
+    emulate("gelu")
+    x = np.array([1e-39, -1e-39, 1e-310, 1.0], dtype)
+    y = k_gelu.GELU.apply(tv.Tensor(x)).data
+    if dtype == np.float32:
+        np.testing.assert_array_equal(y[:3], 0.0)
+    else:
+        np.testing.assert_allclose(y[:3], x[:3] / 2, rtol=1e-6)
+        assert y[2] != 0
+    np.testing.assert_allclose(y[3], 0.8413447460685429, rtol=1e-6)
+
+
 def test_a_wrong_argument_type_is_reported(libraries):
     """An int parameter given a NumPy int64 (CuPy would pass 8 bytes where the kernel reads 4)."""
     kernel = emulator.Emulation(libraries[0]["loss"]).kernel(k_loss.SOURCE, "cross_entropy_forward_f64")

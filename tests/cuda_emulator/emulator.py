@@ -96,6 +96,14 @@ def signatures(source: str) -> dict:
     return found
 
 
+def flushes_denormals(name: str, params) -> bool:
+    """Whether entry point ``name`` runs with float32 denormals flushed (-ftz=true, which CuPy gives
+    every kernel, affects float32 only): a float32 entry point, by its name (<kernel>_f32) or by
+    parameters of type float and none of type double."""
+    types = {t for t, _, _ in params}
+    return name.endswith("_f32") or ("float" in types and "double" not in types)
+
+
 def translate(source: str, sigs: dict) -> str:
     """SOURCE as host C++: shim.h first, extern __shared__ arrays on the launch's buffer, static ones
     registered (shim.h refills them with NaN bytes before each block), and one
@@ -112,7 +120,7 @@ def translate(source: str, sigs: dict) -> str:
             f'extern "C" void emu_{name}(unsigned emu_gx, unsigned emu_gy, unsigned emu_gz, unsigned emu_bx, '
             f"unsigned emu_by, unsigned emu_bz, size_t emu_shared{decl}) {{\n"
             f"    emu_launch(&{name}, dim3(emu_gx, emu_gy, emu_gz), dim3(emu_bx, emu_by, emu_bz), "
-            f"emu_shared{args});\n}}")
+            f"emu_shared, {'true' if flushes_denormals(name, params) else 'false'}{args});\n}}")
     return '#include "shim.h"\n' + body + "\n" + "\n".join(launchers) + "\n"
 
 

@@ -10,6 +10,8 @@
 //     first use and refilled with 0xFF before every block (emulator.py rewrites their declarations);
 //   - the explicitly rounded intrinsics (__fmul_rn, __dadd_rn, ...) as plain IEEE operations, rsqrt as
 //     1 / sqrt, device math (expf, erfc, tanh, ...) as the host libm.
+//   - -ftz=true: float32 kernels (an entry point named *_f32, or taking float and no double) run with
+//     the CPU's flush-to-zero and denormals-are-zero flags, as CuPy compiles every kernel;
 //   - fused multiply-adds: emulator.py builds with contraction on, as NVRTC compiles (the _rn
 //     intrinsics below stay unfused, as on the GPU).
 // What is NOT emulated: warp scheduling and lockstep execution (a race that a real GPU hides or shows
@@ -29,6 +31,9 @@
 #include <thread>
 #include <utility>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 struct emu_uint3 { unsigned x, y, z; };
 struct dim3 {
@@ -123,9 +128,25 @@ inline double __dmul_rn(double a, double b) { return emu_rounded(emu_rounded(a) 
 inline double __ddiv_rn(double a, double b) { return emu_rounded(emu_rounded(a) / emu_rounded(b)); }
 inline double __dsqrt_rn(double a) { return emu_rounded(sqrt(a)); }
 
-// Run kernel on grid x block: blocks one after another, a block's threads at once.
+// -ftz=true, as CuPy compiles every kernel: float32 denormals flushed to zero, as inputs and as
+// results. The CPU's flag is per thread and covers float and double alike, so the launcher sets it
+// for float32 kernels only (a GPU never flushes doubles; the float32 kernels do no double arithmetic).
+inline void emu_flush_denormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(_mm_getcsr() | 0x8040);     // FTZ (bit 15) and DAZ (bit 6) of MXCSR
+#elif defined(__aarch64__)
+    unsigned long long fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr | (1ull << 24)));     // FZ
+#else
+    emu_fail("flushing denormals is not emulated on this CPU");
+#endif
+}
+
+// Run kernel on grid x block: blocks one after another, a block's threads at once; ftz: flush float
+// denormals (a float32 kernel).
 template <typename... P, typename... A>
-void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, A... args) {
+void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, bool ftz, A... args) {
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024) emu_fail("block of 0 or more than 1024 threads");
     const unsigned warps = (threads + 31) / 32;
@@ -151,6 +172,7 @@ void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, A...
                 emu_shared_memory = memory;
                 emu_block_barrier = &bar;
                 emu_warp = &warp[t / 32];
+                if (ftz) emu_flush_denormals();
                 kernel(args...);
                 bar.arrive_and_drop();      // an exited thread no longer holds up __syncthreads
                 warp[t / 32].bar.arrive_and_drop();
