@@ -307,6 +307,63 @@ def test_float32_denormals_are_flushed_as_on_a_gpu(emulate, dtype):
     np.testing.assert_allclose(y[3], 0.8413447460685429, rtol=1e-6)
 
 
+SYNCHRONISATION = r"""
+extern "C" __global__ void divergent_barrier(float* x) {      // half the block at each __syncthreads
+    if (threadIdx.x < 32) { __syncthreads(); x[threadIdx.x] = 1.0f; }
+    else { x[threadIdx.x] = 2.0f; __syncthreads(); }
+}
+extern "C" __global__ void divergent_shuffle(float* x) {      // half the warp at each shuffle
+    float v = x[threadIdx.x];
+    if (threadIdx.x < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    else v = __shfl_xor_sync(0xffffffffu, v, 2);
+    x[threadIdx.x] = v;
+}
+extern "C" __global__ void shuffle_after_exit(float* x) {     // lane 5 gone, the mask still names it
+    if (threadIdx.x == 5) return;
+    x[threadIdx.x] = __shfl_xor_sync(0xffffffffu, x[threadIdx.x], 1);
+}
+extern "C" __global__ void whole_warps_leave(float* x) {      // the kernels' pattern: allowed
+    if (threadIdx.x >= 32) return;
+    x[threadIdx.x] = __shfl_xor_sync(0xffffffffu, x[threadIdx.x], 1);
+    __syncthreads();
+}
+"""
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("divergent_barrier", r"wait at different __syncthreads calls, kernels.cu:3 and kernels.cu:4"),
+    ("divergent_shuffle", r"wait at different shuffle calls, kernels.cu:8 and kernels.cu:9"),
+    ("shuffle_after_exit", r"a full-mask shuffle at kernels.cu:14 after lane 5 of its warp exited"),
+    ("whole_warps_leave", None)])
+def test_the_emulator_checks_barrier_and_shuffle_call_sites(tmp_path, name, problem):
+    """Undefined on a GPU, and passed unnoticed by an emulator that only counts arrivals: threads of a
+    block at two different __syncthreads, lanes of a warp at two different shuffles, a full-mask
+    shuffle after a lane returned. Whole warps returning before a barrier is fine (sm_70+)."""
+    source = '#line 1 "kernels.cu"\n' + SYNCHRONISATION
+    kernel = emulator.Emulation(emulator.build(source, tmp_path)).kernel(source, name)
+    x = np.arange(64, dtype=np.float32)
+    if problem is None:
+        kernel((1,), (64,), (x,))
+        np.testing.assert_array_equal(x[:32], np.arange(32) ^ 1)
+    else:
+        with pytest.raises(RuntimeError, match=problem):
+            kernel((1,), (64,), (x,))
+
+
+def test_a_lane_that_leaves_before_a_warp_sum_fails(libraries, emulate, monkeypatch):
+    """layer_norm_forward with lanes that have no element of a row returning early (d = 7: lanes 7-31)
+    then shuffling with the full mask: refused, where the intact kernel passes (test_layernorm)."""
+    source = k_layernorm.SOURCE
+    line = "    if (row >= rows) return;                               // the whole warp: row is the same in it\n"
+    assert source.count(line) == 1
+    mutated = source.replace(line, "    if (row >= rows || lane >= d) return;\n")
+    monkeypatch.setattr(k_layernorm, "SOURCE", mutated)
+    emulate("layernorm", emulator.build(mutated, libraries[1]))
+    x = np.random.default_rng(8).standard_normal((3, 7))
+    with pytest.raises(RuntimeError, match=r"layer_norm_forward_f64: a full-mask shuffle at common.cuh:\d+ after lane 7"):
+        k_layernorm.LayerNorm.apply(tv.Tensor(x), None, None, 1e-5)
+
+
 def test_a_wrong_argument_type_is_reported(libraries):
     """An int parameter given a NumPy int64 (CuPy would pass 8 bytes where the kernel reads 4)."""
     kernel = emulator.Emulation(libraries[0]["loss"]).kernel(k_loss.SOURCE, "cross_entropy_forward_f64")

@@ -10,7 +10,9 @@ what CuPy would pass to the GPU unchecked (each argument's type against the kern
 np.int32 for int, np.int64 for long long, np.float32 / np.float64 for float / double, a C-contiguous
 array of the pointer's element type, or np.uintp(0) for NULL; grid and block limits; dynamic shared
 memory beyond 48 KB only after opting in through max_dynamic_shared_size_bytes), then runs the
-compiled kernel on the arrays' memory.
+compiled kernel on the arrays' memory, and raises RuntimeError when the shim's checks found a
+problem in the run: threads of a block waiting at different __syncthreads, lanes of a warp at
+different shuffles, a full-mask shuffle after a lane exited (shim.h).
 
 Arithmetic as on a GPU where it matters: multiply-adds fused wherever the compiler sees one (FLAGS,
 when the CPU has FMA instructions; the GPU compiler fuses the same patterns, if not always the same
@@ -117,9 +119,9 @@ def translate(source: str, sigs: dict) -> str:
         decl = "".join(f", {t}{'*' if ptr else ''} {n}" for t, ptr, n in params)
         args = "".join(f", {n}" for _, _, n in params)
         launchers.append(
-            f'extern "C" void emu_{name}(unsigned emu_gx, unsigned emu_gy, unsigned emu_gz, unsigned emu_bx, '
+            f'extern "C" const char* emu_{name}(unsigned emu_gx, unsigned emu_gy, unsigned emu_gz, unsigned emu_bx, '
             f"unsigned emu_by, unsigned emu_bz, size_t emu_shared{decl}) {{\n"
-            f"    emu_launch(&{name}, dim3(emu_gx, emu_gy, emu_gz), dim3(emu_bx, emu_by, emu_bz), "
+            f"    return emu_launch(&{name}, dim3(emu_gx, emu_gy, emu_gz), dim3(emu_bx, emu_by, emu_bz), "
             f"emu_shared, {'true' if flushes_denormals(name, params) else 'false'}{args});\n}}")
     return '#include "shim.h"\n' + body + "\n" + "\n".join(launchers) + "\n"
 
@@ -160,7 +162,7 @@ class FakeKernel:
         self.function = getattr(library.cdll, f"emu_{name}")
         self.function.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_size_t] + [
             ctypes.c_void_p if ptr else C_SCALARS[t][1] for t, ptr, _ in self.params]
-        self.function.restype = None
+        self.function.restype = ctypes.c_char_p        # the first problem a check found, or NULL
 
     def __setattr__(self, key, value):
         if key == "max_dynamic_shared_size_bytes" and value > OPTIN_LIMIT:
@@ -192,7 +194,9 @@ class FakeKernel:
                 assert type(a) is C_SCALARS[t][0], f"{name}({pname}): {type(a).__name__} for {t}"
                 values.append(a.item())
         self.log.append((name, grid, block, shared_mem))
-        self.function(*grid, *block, shared_mem, *values)
+        problem = self.function(*grid, *block, shared_mem, *values)
+        if problem:
+            raise RuntimeError(f"{name}: {problem.decode()}")
 
 
 class Emulation:

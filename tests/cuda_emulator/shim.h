@@ -2,8 +2,14 @@
 // each module's SOURCE) use, for tests/cuda_emulator/emulator.py. What is emulated:
 //   - one std::thread per CUDA thread; the blocks of a grid run one after another, the threads of a
 //     block all at once (threadIdx, blockIdx, blockDim, gridDim as in CUDA);
-//   - __syncthreads as a barrier of the block (a thread that returns drops out of it, as on sm_70+);
-//   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange between two barriers;
+//   - __syncthreads as a barrier of the block (a thread that returns drops out of it, as on sm_70+),
+//     checked by call site: every thread that waits in one phase must wait at the same line of the
+//     source (threads at two different __syncthreads is undefined on a GPU; a helper function that
+//     calls it counts as one line);
+//   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange between two barriers,
+//     checked the same way: all 32 lanes at the same line, and none of them exited (a full-mask
+//     shuffle after a lane returned, or with lanes a partial last warp lacks, is undefined on a GPU);
+//     a check that fails is reported (emu_launch returns it, emulator.py raises), the launch goes on;
 //   - dynamic shared memory (extern __shared__) as a malloc of exactly the launch's bytes, filled with
 //     0xFF bytes (NaN) so that reading what no thread wrote shows up in the results; static __shared__
 //     arrays become function statics (one copy, fine while blocks run one at a time), registered on
@@ -28,6 +34,8 @@
 #include <cstring>
 #include <math.h>
 #include <mutex>
+#include <source_location>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -45,12 +53,56 @@ inline thread_local emu_uint3 threadIdx;
 inline thread_local emu_uint3 blockIdx;
 inline emu_uint3 blockDim, gridDim;
 
+// The first problem a check found in the current launch (emu_launch returns it to emulator.py).
+inline std::mutex emu_error_mutex;
+inline std::string emu_error;
+inline void emu_report(const std::string& what) {
+    std::lock_guard<std::mutex> lock(emu_error_mutex);
+    if (emu_error.empty()) emu_error = what;
+}
+
+inline std::string emu_where(const std::source_location& s) {
+    return std::string(s.file_name()) + ":" + std::to_string(s.line());
+}
+
+// Where each thread of a group (a block's threads, or a warp's lanes) waits, and which have exited:
+// what the completion of each barrier phase checks (std::barrier runs it once all have arrived).
+struct EmuSites {
+    const char* what;                    // "__syncthreads" or "shuffle"
+    bool exits_forbidden;                // shuffles: every lane of the mask must take part
+    std::vector<std::source_location> site;
+    std::vector<char> waiting, exited;
+    EmuSites(const char* w, bool forbid, unsigned n) : what(w), exits_forbidden(forbid), site(n), waiting(n), exited(n) {}
+    void check() noexcept {
+        int first = -1, gone = -1;
+        for (int i = 0; i < (int)site.size(); ++i) {
+            if (exited[i]) { if (gone < 0) gone = i; continue; }
+            if (!waiting[i]) continue;
+            if (first < 0) { first = i; continue; }
+            if (site[i].line() != site[first].line() || std::strcmp(site[i].file_name(), site[first].file_name()))
+                emu_report(std::string("threads ") + std::to_string(first) + " and " + std::to_string(i) + " of block (" +
+                           std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ") wait at different " +
+                           what + " calls, " + emu_where(site[first]) + " and " + emu_where(site[i]));
+        }
+        if (exits_forbidden && first >= 0 && gone >= 0)
+            emu_report("a full-mask shuffle at " + emu_where(site[first]) + " after lane " + std::to_string(gone) +
+                       " of its warp exited (undefined on a GPU)");
+    }
+};
+struct EmuCheck {
+    EmuSites* sites;
+    void operator()() noexcept { sites->check(); }
+};
+using EmuBarrier = std::barrier<EmuCheck>;
+
 struct EmuWarp {
-    std::barrier<> bar{32};
+    EmuSites sites{"shuffle", true, 32};
+    EmuBarrier bar{32, EmuCheck{&sites}};
     unsigned long long slot[32];
 };
 inline thread_local unsigned char* emu_shared_memory;
-inline thread_local std::barrier<>* emu_block_barrier;
+inline thread_local EmuBarrier* emu_block_barrier;
+inline thread_local EmuSites* emu_block_sites;
 inline thread_local EmuWarp* emu_warp;
 inline thread_local unsigned emu_linear_thread;
 
@@ -78,29 +130,40 @@ inline bool emu_register_shared(void* p, size_t bytes) {
     return true;
 }
 
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+inline void __syncthreads(std::source_location site = std::source_location::current()) {
+    const unsigned t = emu_linear_thread;
+    emu_block_sites->site[t] = site;
+    emu_block_sites->waiting[t] = 1;
+    emu_block_barrier->arrive_and_wait();
+    emu_block_sites->waiting[t] = 0;
+}
 
-template <typename T> T emu_exchange(T v, int source) {
+template <typename T> T emu_exchange(T v, int source, const std::source_location& site) {
     static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
     EmuWarp* w = emu_warp;
     const unsigned lane = emu_linear_thread % 32;
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     w->slot[lane] = bits;
-    w->bar.arrive_and_wait();           // every lane has written its value
+    w->sites.site[lane] = site;
+    w->sites.waiting[lane] = 1;
+    w->bar.arrive_and_wait();           // every lane has written its value (the completion checks sites)
     bits = w->slot[source & 31];
     w->bar.arrive_and_wait();           // every lane has read before the next exchange writes
+    w->sites.waiting[lane] = 0;
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
 }
-template <typename T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
-    if (mask != 0xffffffffu) emu_fail("partial shuffle mask");
-    return emu_exchange(v, (int)(emu_linear_thread % 32) ^ lane_mask);
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32,
+                                        std::source_location site = std::source_location::current()) {
+    if (mask != 0xffffffffu || width != 32) emu_report("a partial shuffle mask or width at " + emu_where(site));
+    return emu_exchange(v, (int)(emu_linear_thread % 32) ^ lane_mask, site);
 }
-template <typename T> T __shfl_sync(unsigned mask, T v, int source) {
-    if (mask != 0xffffffffu) emu_fail("partial shuffle mask");
-    return emu_exchange(v, source);
+template <typename T> T __shfl_sync(unsigned mask, T v, int source, int width = 32,
+                                    std::source_location site = std::source_location::current()) {
+    if (mask != 0xffffffffu || width != 32) emu_report("a partial shuffle mask or width at " + emu_where(site));
+    return emu_exchange(v, source, site);
 }
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -144,9 +207,10 @@ inline void emu_flush_denormals() {
 }
 
 // Run kernel on grid x block: blocks one after another, a block's threads at once; ftz: flush float
-// denormals (a float32 kernel).
+// denormals (a float32 kernel). Returns the first problem a check found, or nullptr.
 template <typename... P, typename... A>
-void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, bool ftz, A... args) {
+const char* emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, bool ftz, A... args) {
+    emu_error.clear();
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024) emu_fail("block of 0 or more than 1024 threads");
     const unsigned warps = (threads + 31) / 32;
@@ -158,10 +222,14 @@ void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, bool
         unsigned char* memory = static_cast<unsigned char*>(std::malloc(shared ? shared : 1));
         std::memset(memory, 0xFF, shared ? shared : 1);
         for (auto& [p, bytes] : emu_static_shared) std::memset(p, 0xFF, bytes);
-        std::barrier<> bar(threads);
+        EmuSites block_sites("__syncthreads", false, threads);
+        EmuBarrier bar(threads, EmuCheck{&block_sites});
         std::vector<EmuWarp> warp(warps);
-        // a partial last warp: its missing lanes never arrive at its barrier
-        for (unsigned t = threads; t < warps * 32; ++t) warp[t / 32].bar.arrive_and_drop();
+        // a partial last warp: its missing lanes count as exited (a full-mask shuffle there fails)
+        for (unsigned t = threads; t < warps * 32; ++t) {
+            warp[t / 32].sites.exited[t % 32] = 1;
+            warp[t / 32].bar.arrive_and_drop();
+        }
         std::vector<std::thread> pool;
         pool.reserve(threads);
         for (unsigned t = 0; t < threads; ++t) {
@@ -171,14 +239,18 @@ void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, bool
                 emu_linear_thread = t;
                 emu_shared_memory = memory;
                 emu_block_barrier = &bar;
+                emu_block_sites = &block_sites;
                 emu_warp = &warp[t / 32];
                 if (ftz) emu_flush_denormals();
                 kernel(args...);
+                block_sites.exited[t] = 1;
                 bar.arrive_and_drop();      // an exited thread no longer holds up __syncthreads
+                warp[t / 32].sites.exited[t % 32] = 1;
                 warp[t / 32].bar.arrive_and_drop();
             });
         }
         for (auto& th : pool) th.join();
         std::free(memory);
     }
+    return emu_error.empty() ? nullptr : emu_error.c_str();
 }
