@@ -32,6 +32,9 @@ from tinyvit.ops import activation, attention, loss, norm
 MODULES = {"layernorm": k_layernorm, "gelu": k_gelu, "attention": k_attention, "loss": k_loss, "optim": k_optim}
 TOL = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}        # (rtol, atol relative to max |want|)
 DTYPES = [np.float64, np.float32]
+# attention at heads of 64-128 and several tiles: float32 sums over 128 columns and 70 keys in other
+# orders than the reference's GEMMs (test_kernels_cuda_attention.py's tolerance on the GPU)
+ATTENTION_TOL = {np.float64: TOL[np.float64], np.float32: (1e-4, 2e-5)}
 
 
 @pytest.fixture(scope="session")
@@ -61,9 +64,10 @@ def emulate(libraries, monkeypatch):
     return patch
 
 
-def compare(kernel_fn, reference_fn, arrays, upstream, dtype, what):
-    """Outputs and input gradients of kernel_fn and reference_fn equal within TOL; prints the largest
-    difference relative to max(1, max |reference|)."""
+def compare(kernel_fn, reference_fn, arrays, upstream, dtype, what, tol=None):
+    """Outputs and input gradients of kernel_fn and reference_fn equal within TOL (or tol); prints the
+    largest difference relative to max(1, max |reference|)."""
+    tol = tol or TOL
     outs_k, grads_k = forward_backward(kernel_fn, arrays, upstream, dtype)
     outs_r, grads_r = forward_backward(reference_fn, arrays, upstream, dtype)
     assert len(outs_k) == len(outs_r)
@@ -71,7 +75,7 @@ def compare(kernel_fn, reference_fn, arrays, upstream, dtype, what):
     pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs_k, outs_r))]
     pairs += [(f"gradient {i}", a, b) for i, (a, b) in enumerate(zip(grads_k, grads_r))]
     for name, a, b in pairs:
-        assert_same(a, b, *TOL[dtype], what=f"{what} {np.dtype(dtype).name}: {name}")
+        assert_same(a, b, *tol[dtype], what=f"{what} {np.dtype(dtype).name}: {name}")
         if a is not None and a.size:
             worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())))
     print(f"{what} {np.dtype(dtype).name}: max scaled difference {worst:.2e}")
@@ -165,6 +169,31 @@ def test_attention(emulate, dtype):
     assert names == set(k_attention.KERNEL_NAMES), names
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [40, 70])
+@pytest.mark.parametrize("dh", [33, 64, 128])
+def test_attention_over_several_tiles(emulate, dtype, n, dh):
+    """Shapes the small test above does not reach: N = 40 and 70 (two and three tiles of 32 keys, the
+    last ragged; three and five blocks of 16 queries), head sizes 33 (a ragged column group), 64 and
+    128 (the largest, past 48 KB of shared memory in float64), with the attention map and its
+    gradient, all N queries and fewer (M = 17 < N: more key tiles than query blocks in dkdv)."""
+    run = emulate("attention")
+    rng = np.random.default_rng(n + dh)
+    b, h = 1, 2 if dh == 33 else 1              # two heads: q, k, v of head 1 at column offsets 33, 66, 99
+    d = h * dh
+    s = d ** -0.5
+    data = [rng.standard_normal((b, n, d)), rng.standard_normal((d, 3 * d)) * 2 * s,
+            rng.standard_normal(3 * d) * 0.1, rng.standard_normal((d, d)) * s, rng.standard_normal(d) * 0.1]
+    g_out, g_attn = rng.standard_normal((b, n, d)), rng.standard_normal((b, h, n, n))
+    compare(_attend(k_attention.MultiHeadAttention, h, True), _attend(attention.MultiHeadAttention, h, True),
+            data, [g_out, g_attn], dtype, f"MultiHeadAttention N={n} dh={dh}", ATTENTION_TOL)
+    m = 17
+    compare(_attend(k_attention.MultiHeadAttention, h, False, m), _attend(attention.MultiHeadAttention, h, False, m),
+            data, [g_out[:, :m]], dtype, f"MultiHeadAttention N={n} dh={dh} num_outputs={m}", ATTENTION_TOL)
+    names = {name.rsplit("_", 1)[0] for name, *_ in run.log}
+    assert names == set(k_attention.KERNEL_NAMES), names
+
+
 # ---------------------------------------------------------------- loss
 
 
@@ -188,6 +217,23 @@ def test_cross_entropy(emulate, dtype):
                 f"CrossEntropy probabilities eps={eps}")
     launched = [name.rsplit("_", 1)[0] for name, *_ in emulation.log]
     assert launched == ["cross_entropy_forward", "cross_entropy_backward"] * 4, launched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_of_many_classes(emulate, dtype):
+    """K = 1000 (ImageNet's classes): 8 warps per row, whose maxima and sums meet in shared memory
+    (block_max, block_sum) before the last warp-level reduction."""
+    emulation = emulate("loss")
+    rng = np.random.default_rng(9)
+    logits, labels = rng.standard_normal((5, 1000)) * 3, rng.integers(0, 1000, size=5)
+    p = rng.random((5, 1000))
+    for eps in (0.0, 0.1):
+        compare(lambda x: k_loss.CrossEntropy.apply(x, tv.Tensor(labels), eps),
+                lambda x: loss.CrossEntropy.apply(x, tv.Tensor(labels), eps), [logits], [2.5], dtype,
+                f"CrossEntropy K=1000 labels eps={eps}")
+    compare(lambda x, t: k_loss.CrossEntropy.apply(x, t, 0.1), lambda x, t: loss.CrossEntropy.apply(x, t, 0.1),
+            [logits, p / p.sum(-1, keepdims=True)], [2.5], dtype, "CrossEntropy K=1000 probabilities")
+    assert {block for _, _, block, _ in emulation.log} == {(256, 1, 1)}, emulation.log
 
 
 # ---------------------------------------------------------------- optim

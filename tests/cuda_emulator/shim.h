@@ -6,7 +6,7 @@
 //     checked by call site: every thread that waits in one phase must wait at the same line of the
 //     source (threads at two different __syncthreads is undefined on a GPU; a helper function that
 //     calls it counts as one line);
-//   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange between two barriers,
+//   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange at a barrier,
 //     checked the same way: all 32 lanes at the same line, and none of them exited (a full-mask
 //     shuffle after a lane returned, or with lanes a partial last warp lacks, is undefined on a GPU);
 //     a check that fails is reported (emu_launch returns it, emulator.py raises), the launch goes on;
@@ -98,7 +98,8 @@ using EmuBarrier = std::barrier<EmuCheck>;
 struct EmuWarp {
     EmuSites sites{"shuffle", true, 32};
     EmuBarrier bar{32, EmuCheck{&sites}};
-    unsigned long long slot[32];
+    unsigned long long slot[2][32];      // double-buffered: exchange k writes slot[k % 2]
+    unsigned phase[32] = {};             // each lane's count of exchanges so far
 };
 inline thread_local unsigned char* emu_shared_memory;
 inline thread_local EmuBarrier* emu_block_barrier;
@@ -138,19 +139,22 @@ inline void __syncthreads(std::source_location site = std::source_location::curr
     emu_block_sites->waiting[t] = 0;
 }
 
+// One barrier phase per shuffle: lanes write their value into this exchange's buffer, wait for all
+// 32, read the source lane's. The next exchange writes the other buffer, and no lane can start the
+// one after (this buffer again) before every lane has arrived at the next, i.e. finished reading.
 template <typename T> T emu_exchange(T v, int source, const std::source_location& site) {
     static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
     EmuWarp* w = emu_warp;
     const unsigned lane = emu_linear_thread % 32;
+    unsigned long long* slot = w->slot[w->phase[lane]++ & 1];
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    w->slot[lane] = bits;
+    slot[lane] = bits;
     w->sites.site[lane] = site;
     w->sites.waiting[lane] = 1;
     w->bar.arrive_and_wait();           // every lane has written its value (the completion checks sites)
-    bits = w->slot[source & 31];
-    w->bar.arrive_and_wait();           // every lane has read before the next exchange writes
     w->sites.waiting[lane] = 0;
+    bits = slot[source & 31];
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
