@@ -236,6 +236,93 @@ def test_cross_entropy_of_many_classes(emulate, dtype):
     assert {block for _, _, block, _ in emulation.log} == {(256, 1, 1)}, emulation.log
 
 
+# ---------------------------------------------------------------- edge inputs
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "GELU"])
+def test_strided_parameters_are_read_as_laid_out(emulate, kind):
+    """gamma, beta (LayerNorm) and the bias (GELU) as strided views (every other element of a longer
+    array): the kernels index them as contiguous arrays, so they must get contiguous copies (the
+    emulated launch refuses a pointer to a non-contiguous array, as CuPy would pass it unchecked)."""
+    emulate("layernorm" if kind == "LayerNorm" else "gelu")
+    rng = np.random.default_rng(10)
+    x, gy = rng.standard_normal((3, 7)), rng.standard_normal((3, 7))
+    params = [rng.standard_normal(14)[::2], rng.standard_normal(14)[::2]]
+    assert not params[0].flags.c_contiguous
+
+    def run(function):
+        ins = [tv.Tensor(x, requires_grad=True)] + [tv.Tensor(a, requires_grad=True) for a in params]
+        out = function(*ins)
+        out.backward(gy)
+        return [out.data] + [t.grad for t in ins]
+
+    if kind == "LayerNorm":
+        got = run(lambda x, g, b: k_layernorm.LayerNorm.apply(x, g, b, 1e-5))
+        want = run(lambda x, g, b: norm.LayerNorm.apply(x, g, b, 1e-5))
+    else:
+        got = run(lambda x, b, _: k_gelu.GELU.apply(x, b))[:3]
+        want = run(lambda x, b, _: activation.GELU.apply(x + b))[:3]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("return_attention", [False, True])
+def test_attention_of_no_samples(emulate, return_attention):
+    """B = 0: empty outputs, an empty dL/dx and zero weight gradients (the reference's), and no kernel
+    launched (CUDA refuses a grid with no blocks)."""
+    run = emulate("attention")
+    rng = np.random.default_rng(11)
+    d, h = 16, 2
+    x = tv.Tensor(np.zeros((0, 5, d)), requires_grad=True)
+    ws = [tv.Tensor(rng.standard_normal(s), requires_grad=True) for s in [(d, 3 * d), (3 * d,), (d, d), (d,)]]
+    out = k_attention.MultiHeadAttention.apply(x, *ws, h, 0.0, False, return_attention=return_attention)
+    outs = out if return_attention else (out,)
+    assert [o.shape for o in outs] == [(0, 5, d), (0, h, 5, 5)][:len(outs)]
+    loss = outs[0].sum() + (outs[1].sum() if return_attention else 0.0)
+    loss.backward()
+    assert x.grad.shape == (0, 5, d)
+    for w in ws:
+        np.testing.assert_array_equal(w.grad, np.zeros(w.shape))
+    assert run.log == []
+
+
+def test_attention_refuses_weights_of_another_dtype(emulate):
+    """x float32 with float64 weights: refused with a TypeError before anything launches (the kernels
+    read every array as x's dtype)."""
+    run = emulate("attention")
+    rng = np.random.default_rng(12)
+    d = 16
+    x = rng.standard_normal((2, 5, d)).astype(np.float32)
+    ws = [rng.standard_normal(s) for s in [(d, 3 * d), (3 * d,), (d, d), (d,)]]
+    for i in range(4):
+        mixed = [w.astype(np.float32) for w in ws]
+        mixed[i] = ws[i]
+        with pytest.raises(TypeError, match=["w_qkv", "b_qkv", "w_proj", "b_proj"][i] + " is float64, x is float32"):
+            k_attention.MultiHeadAttention.apply(tv.Tensor(x), *map(tv.Tensor, mixed), 2)
+    assert run.log == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_of_range_labels_give_nan_rows(emulate, dtype):
+    """Labels outside [0, K), which only the check_labels=False path lets through: such a row's loss
+    (so the mean) and its row of dL/dlogits are NaN, and nothing is read from another row or past the
+    logits (labels K and -1, the last row's label far past the buffer); the other rows' gradients are
+    the reference's."""
+    emulate("loss")
+    rng = np.random.default_rng(13)
+    k = 10
+    logits = rng.standard_normal((4, k)).astype(dtype)
+    labels = np.array([3, k, -1, 1000])
+    x = tv.Tensor(logits, requires_grad=True)
+    value = k_loss.CrossEntropy.apply(x, tv.Tensor(labels), 0.1)
+    value.backward()
+    assert np.isnan(value.data)
+    assert np.isnan(x.grad[1:]).all() and np.isfinite(x.grad[0]).all()
+    xr = tv.Tensor(logits, requires_grad=True)
+    loss.CrossEntropy.apply(xr, tv.Tensor(np.array([3, 0, 0, 0])), 0.1).backward()
+    np.testing.assert_allclose(x.grad[0], xr.grad[0], rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
 # ---------------------------------------------------------------- optim
 
 SHAPES = [(3, 5), (7,), (2100,), (4,)]          # 2100: two blocks of ELEMENTS_PER_BLOCK, the last ragged

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import platform
 import re
 import shutil
@@ -126,11 +127,42 @@ def translate(source: str, sigs: dict) -> str:
     return '#include "shim.h"\n' + body + "\n" + "\n".join(launchers) + "\n"
 
 
+# TINYVIT_EMULATOR_SANITIZE=thread or =address: builds instrumented by ThreadSanitizer (data races
+# between the emulated threads: a missing __syncthreads) or AddressSanitizer (reads and writes out of
+# an array's or the shared memory's bounds). Their runtime must be in the process from its start:
+# run the tests through `python tests/cuda_emulator/sanitize.py thread|address [pytest arguments]`.
+SANITIZERS = {"thread": "__tsan_init", "address": "__asan_init"}
+
+
+def sanitizer() -> str | None:
+    """The sanitizer TINYVIT_EMULATOR_SANITIZE asks for ("thread", "address"), or None."""
+    name = os.environ.get("TINYVIT_EMULATOR_SANITIZE", "").strip().lower()
+    if name in ("", "0", "off", "none"):
+        return None
+    if name not in SANITIZERS:
+        raise ValueError(f"TINYVIT_EMULATOR_SANITIZE={name!r}: expected one of {sorted(SANITIZERS)}")
+    return name
+
+
+def sanitizer_flags(name: str | None) -> tuple:
+    """g++ flags of a build instrumented by sanitizer ``name``; refuses when its runtime is not loaded."""
+    if name is None:
+        return ()
+    try:
+        getattr(ctypes.CDLL(None), SANITIZERS[name])
+    except AttributeError:
+        raise RuntimeError(f"TINYVIT_EMULATOR_SANITIZE={name}: the {name} sanitizer's runtime is not loaded in "
+                           f"this process; run `python tests/cuda_emulator/sanitize.py {name} [pytest arguments]`"
+                           ) from None
+    return ("-g", "-fno-omit-frame-pointer", f"-fsanitize={name}")
+
+
 def build(source: str, build_dir, extra_flags=()) -> Library:
-    """Compile source (cached in build_dir by a hash of the translated code and flags)."""
+    """Compile source (cached in build_dir by a hash of the translated code and flags), instrumented
+    by the sanitizer TINYVIT_EMULATOR_SANITIZE names, if any."""
     sigs = signatures(source)
     code = translate(source, sigs)
-    flags = [*FLAGS, *extra_flags]
+    flags = [*FLAGS, *sanitizer_flags(sanitizer()), *extra_flags]
     key = hashlib.sha1((code + " ".join(flags) + (HERE / "shim.h").read_text()).encode()).hexdigest()[:16]
     build_dir = Path(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)

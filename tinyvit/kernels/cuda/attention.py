@@ -129,6 +129,7 @@ def _at(buffer, offset=0):
 
 
 i32 = np.int32
+_NO_SAMPLES = "no samples"     # saved[0] of a forward with B = 0 (nothing launched, nothing to recompute)
 
 
 # ---------------------------------------------------------------- the Function
@@ -148,6 +149,8 @@ class MultiHeadAttention(Function):
     was returned (its gradient needs it); the weights (references, no copies).
     Backward: module docstring. Dropout on the attention weights while training, and head sizes
     beyond MAX_HEAD_DIM or the GPU's shared memory, run the reference (ops/attention.py) instead.
+    Weights and biases must have x's dtype (TypeError); B = 0 gives empty outputs, an empty dL/dx and
+    zero weight gradients, without a launch.
     """
 
     def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout=0.0, training=False,
@@ -159,6 +162,13 @@ class MultiHeadAttention(Function):
             raise ValueError(f"multi_head_attention kernel: num_outputs must be in [1, N={n}], got {num_outputs}")
         h = num_heads
         dh = d // h
+        for name, a in (("w_qkv", w_qkv), ("b_qkv", b_qkv), ("w_proj", w_proj), ("b_proj", b_proj)):
+            if a is not None and a.dtype != x.dtype:      # the kernels read every array as x's dtype
+                raise TypeError(f"multi_head_attention kernel: {name} is {a.dtype}, x is {x.dtype}")
+        if b == 0:                                        # no sample: nothing to launch (CUDA refuses an empty grid)
+            self.save(_NO_SAMPLES, x.shape, w_qkv, b_qkv, w_proj, b_proj)
+            out = xp.zeros((0, m, d), x.dtype)
+            return (out, xp.zeros((0, h, m, n), x.dtype)) if return_attention else out
         if (training and attn_dropout > 0.0) or not kernels_fit(dh, x.dtype.itemsize, max_shared_bytes()):
             return self._reference_forward(x, w_qkv, b_qkv, w_proj, b_proj, num_heads, attn_dropout, training,
                                            return_attention, m)
@@ -201,6 +211,11 @@ class MultiHeadAttention(Function):
         return (out, attn) if return_attention else out
 
     def backward(self, gy, g_attn=None):
+        if self.saved[0] is _NO_SAMPLES:                  # B = 0: dL/dx is empty, the weights' gradients 0
+            _, x_shape, *weights = self.saved
+            xp = get_array_module(weights[0])
+            grads = [xp.zeros(x_shape, weights[0].dtype)] + [None if w is None else xp.zeros_like(w) for w in weights]
+            return tuple(g if need else None for g, need in zip(grads, self.needs_input_grad))
         if self.saved[0] is not None:
             return self._reference_backward(gy, g_attn)
         _, rows, q_rows, w_qkv, q_buf, kv_buf, ldq, k_at, ctx, lse, attn, w_proj, shape, scale = self.saved

@@ -15,6 +15,9 @@ template <> __device__ __forceinline__ float minus_infinity<float>() { return -_
 template <> __device__ __forceinline__ double minus_infinity<double>() {
     return -__longlong_as_double(0x7ff0000000000000LL);
 }
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() { return __longlong_as_double(0x7ff8000000000000LL); }
 
 // Sum and max over the 32 lanes of a warp (butterfly: lane i adds lane i ^ offset, so every lane
 // ends with the same bits). All 32 lanes must be active: no lane may have returned before.

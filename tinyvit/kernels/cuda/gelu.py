@@ -69,6 +69,7 @@ class GELU(Function):
                                  f"({x.shape[-1] if x.ndim else 'x has no axis'},), got {bias.shape}")
             if bias.dtype != x.dtype:
                 raise TypeError(f"{type(self).__name__}: bias is {bias.dtype}, x is {x.dtype}")
+            bias = xp.ascontiguousarray(bias)                  # the kernel indexes bias[column]
         x2 = xp.ascontiguousarray(x).reshape(-1, x.shape[-1]) if bias is not None else \
             xp.ascontiguousarray(x).reshape(1, -1)                       # (rows, cols)
         y = xp.empty_like(x2)

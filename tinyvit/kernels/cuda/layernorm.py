@@ -138,6 +138,9 @@ class LayerNorm(Function):
         xp = get_array_module(x2)
         dtype = x2.dtype
         _check_dtypes(type(self).__name__, dtype, branch=branch2, gamma=gamma, beta=beta)
+        # the kernels index gamma[i], beta[i]: a strided view (w[::2]) gets a contiguous copy
+        gamma = None if gamma is None else xp.ascontiguousarray(gamma)
+        beta = None if beta is None else xp.ascontiguousarray(beta)
         rows, d = x2.shape
         s = x2 if branch2 is None else xp.empty_like(x2)
         y = xp.empty_like(x2)

@@ -5,7 +5,7 @@
 // max and sums are reduced over the block: within each warp by shuffles, then the warps' results
 // through a small static shared array (32 numbers), reduced again by every warp.
 
-#include "common.cuh"     // WARP, FULL_MASK, exp_, log_, minus_infinity, warp_sum, warp_max
+#include "common.cuh"     // WARP, FULL_MASK, exp_, log_, minus_infinity, quiet_nan, warp_sum, warp_max
 
 // The sum (max) of v over the block, returned to every thread. partial: WARP numbers of shared memory.
 template <typename T> __device__ T block_sum(T v, T* partial) {
@@ -52,7 +52,10 @@ __device__ void cross_entropy_forward(const T* __restrict__ logits, const long l
     z_sum = block_sum(z_sum, partial);
     if (probs != nullptr) target_dot = block_sum(target_dot, partial);
     if (threadIdx.x == 0) {
-        if (labels != nullptr) target_dot = (x[labels[i]] - top) - log_sum;
+        if (labels != nullptr) {            // a label outside [0, K) reads nothing: the row's loss is NaN
+            const long long label = labels[i];
+            target_dot = 0 <= label && label < k ? (x[label] - top) - log_sum : quiet_nan<T>();
+        }
         T loss = -(T(1) - smoothing) * target_dot;
         if (smoothing != T(0)) loss -= smoothing / T(k) * z_sum;   // (0 * -inf would be NaN)
         row_loss[i] = loss;
@@ -75,12 +78,13 @@ __device__ void cross_entropy_backward(const T* __restrict__ logits, const long 
     const T g = gy[0] / T(n);
     const T top = row_max[i], log_sum = row_log_sum[i], keep = T(1) - smoothing, uniform = smoothing / T(k);
     const long long label = labels != nullptr ? labels[i] : -1;
+    const bool invalid = labels != nullptr && (label < 0 || label >= k);   // the row's loss was NaN
     for (int c = threadIdx.x; c < k; c += blockDim.x) {
         const long long at = i * k + c;
         const T z = (logits[at] - top) - log_sum;
         if (dlogits != nullptr) {
             const T t = labels != nullptr ? (c == label ? keep : T(0)) : keep * probs[at];
-            dlogits[at] = (exp_(z) - t - uniform) * g;
+            dlogits[at] = invalid ? quiet_nan<T>() : (exp_(z) - t - uniform) * g;
         }
         if (dprobs != nullptr) dprobs[at] = z * (-keep * g);
     }

@@ -15,6 +15,9 @@ reference forms it, (x - m) - s, not x - (m + s), which would round m + s to the
 logits. g, the upstream gradient, stays on the GPU: the backward kernel reads it from device
 memory, so a training step never waits for the loss to reach the host. Labels are int64 (others
 are converted); probabilities have the logits' dtype. float32 (accumulating in float32) and float64.
+A label outside [0, K) (only F.cross_entropy(..., check_labels=False) lets one through: the range
+check costs a host read) reads nothing, neither another row nor past the logits: that row's loss, so
+the mean, and its row of dL/dlogits are NaN, as visible as a wrong label should be.
 
 Tests: tests/test_kernels_cuda_loss.py (GPU: equal to the reference, loss and every gradient).
 """
@@ -56,6 +59,7 @@ class CrossEntropy(Function):
     reference's signature and formulas; see the module docstring for the kernels).
 
     logits: (..., K)   target: (...) integer labels in [0, K), or (..., K) probabilities  ->  loss: ()
+    (a label outside [0, K): a NaN loss, and NaN in its row of dL/dlogits)
     label_smoothing eps: t' = (1 - eps) t + eps / K. The loss is a 0-d array on the GPU.
     """
 
