@@ -6,6 +6,7 @@ CI sets TINYVIT_REQUIRE_NVRTC=1: there a missing NVRTC is a failure, not a skip.
 compute the right numbers is for the GPU tests (tests/test_kernels_cuda_*.py, `pytest -m gpu`).
 """
 import fnmatch
+import functools
 import importlib
 import os
 import pkgutil
@@ -111,6 +112,43 @@ def test_ci_compiles_with_the_options_cupy_adds():
     from tinyvit.kernels.cuda import gelu
     ptx = ptx_by_entry(gelu.SOURCE)["gelu_forward_f32"]
     assert ".ftz.f32" in ptx and ".ftz.f64" not in ptx
+
+
+def test_one_raw_kernel_per_source_name_and_device(monkeypatch):
+    """kernel(source, name) compiles a source once per device and makes one RawKernel per entry point
+    and device, handed out again at every launch (not a new one per launch)."""
+    made = []
+
+    class Module:
+        def __init__(self, source, device):
+            self.source, self.device = source, device
+
+        def get_function(self, name):
+            made.append((self.source, name, self.device))
+            return object()
+
+    device = [0]
+    monkeypatch.setattr(cuda, "_module", lambda source, device_id: Module(source, device_id))
+    monkeypatch.setattr(cuda, "_current_device", lambda: device[0])
+    monkeypatch.setattr(cuda, "_function", functools.lru_cache(maxsize=None)(cuda._function.__wrapped__))
+    first = cuda.kernel("source a", "k_f32")
+    assert cuda.kernel("source a", "k_f32") is first and made == [("source a", "k_f32", 0)]
+    cuda.kernel("source a", "k_f64")
+    cuda.kernel("source b", "k_f32")
+    device[0] = 1
+    assert cuda.kernel("source a", "k_f32") is not first
+    assert len(made) == 4 and cuda.kernel("source a", "k_f32") is cuda.kernel("source a", "k_f32") and len(made) == 4
+
+
+def test_the_gpu_extras_bring_the_cuda_headers():
+    """CuPy 14 compiles every kernel, its own included, against the CUDA headers: the extras that
+    install CuPy bring them too (CuPy's ctk extra: the CUDA toolkit's runtime with its headers, NVRTC,
+    cuBLAS ... from PyPI), for CUDA 12 and for CUDA 13."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.fullmatch(r"cupy-cuda12x\[ctk\]>=14.*", r) for r in extras["gpu"]), extras["gpu"]
+    assert any(re.fullmatch(r"cupy-cuda13x\[ctk\]>=14.*", r) for r in extras["gpu-cuda13"]), extras["gpu-cuda13"]
 
 
 def test_a_broken_kernel_fails_to_compile():

@@ -12,6 +12,9 @@ speed, nor the last ulp a GPU's math functions and fused multiply-adds give (flo
 races that only real warp scheduling would expose (see tests/cuda_emulator/emulator.py). The GPU
 tests (`pytest -m gpu`, tests/test_kernels_cuda_*.py) remain the proof on hardware.
 """
+import collections
+import gc
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -364,6 +367,44 @@ def test_adamw_step(emulate, dtype):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"state {i} {key}")
     print(f"AdamW {np.dtype(dtype).name}: bit for bit")
+
+
+def test_the_adamw_table_lives_until_the_kernel_has_read_it(emulate, monkeypatch):
+    """The launch is asynchronous: the table of parameter records (host records and their device
+    copy, which under CUPY_ENABLE_UMP=1 may be the host memory itself, as it is for NumPy here) is
+    held until an event recorded after the launch has completed, and let go at a later step."""
+    emulate("optim")
+
+    class Event:                                         # a launch that is still running until told
+        done = False
+
+    events = []
+    monkeypatch.setattr(k_optim, "_completion_event", lambda *_: events.append(Event()) or events[-1],
+                        raising=False)
+    monkeypatch.setattr(k_optim, "_in_flight", collections.deque(), raising=False)
+    tables = []
+    launch = k_optim._launch
+
+    def spy(name, dtype, grid, block, args):
+        tables.append(weakref.ref(args[0]))
+        launch(name, dtype, grid, block, args)
+
+    monkeypatch.setattr(k_optim, "_launch", spy)
+    rng = np.random.default_rng(14)
+    ps = [nn.Parameter(rng.standard_normal(s)) for s in [(3, 5), (7,)]]
+    opt = optim.AdamW(ps, lr=0.01)
+
+    def step():
+        for p in ps:
+            p.grad = rng.standard_normal(p.shape)
+        k_optim.step([(p, p.grad, opt._state_of(p), opt.param_groups[0]) for p in ps], opt._update)
+        gc.collect()
+
+    step()
+    assert len(tables) == 1 and tables[0]() is not None, "the table was freed while the kernel may read it"
+    events[0].done = True
+    step()
+    assert tables[0]() is None and tables[1]() is not None      # the finished launch's table let go
 
 
 # ---------------------------------------------------------------- the emulation can fail

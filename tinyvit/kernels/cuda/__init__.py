@@ -32,12 +32,25 @@ RECORD = HERE / "passed.json"
 NVRTC_OPTIONS = ("--std=c++14", "-ftz=true")
 
 
+_passed = None      # passed.json as read, once per process: the switchboard asks on every op
+
+
 def passed_kernels() -> dict:
     """{op name: [where its GPU tests passed: {"gpu", "cupy", "cuda", "commit", "date"}, ...]} from
-    passed.json; an op that is not there has not passed on any GPU yet."""
-    if not RECORD.is_file():
-        return {}
-    return json.loads(RECORD.read_text())
+    passed.json; an op that is not there has not passed on any GPU yet. Read at the first call and
+    kept (reading and parsing it per op cost 30 us, 1-2 ms a training step): reload_passed() reads it
+    again, as the record command does after writing it. The dict is shared: do not change it."""
+    global _passed
+    if _passed is None:
+        _passed = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+    return _passed
+
+
+def reload_passed() -> dict:
+    """Read passed.json again (after it changed) and return what passed_kernels() now answers."""
+    global _passed
+    _passed = None
+    return passed_kernels()
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,10 +60,21 @@ def _module(source: str, device_id: int):
         return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
 
 
+@functools.lru_cache(maxsize=None)
+def _function(source: str, name: str, device_id: int):
+    return _module(source, device_id).get_function(name)
+
+
+def _current_device() -> int:
+    from cupy.cuda import runtime
+    return runtime.getDevice()
+
+
 def kernel(source: str, name: str):
-    """The __global__ function ``name`` of ``source``, compiled (once per device) for the current GPU."""
-    import cupy
-    return _module(source, cupy.cuda.Device().id).get_function(name)
+    """The __global__ function ``name`` of ``source`` for the current GPU: compiled once per device,
+    and one RawKernel per (source, name, device), kept (a launch looks it up; attributes set on it,
+    such as max_dynamic_shared_size_bytes, stay set)."""
+    return _function(source, name, _current_device())
 
 
 _INCLUDE = re.compile(r'^#include "(\w+\.cuh)".*$', re.MULTILINE)

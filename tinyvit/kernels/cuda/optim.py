@@ -36,6 +36,7 @@ against a NumPy emulation of the kernel that follows the table's addresses).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import numbers
@@ -67,6 +68,34 @@ _HYPERPARAMETERS = {"params", "lr", "betas", "eps", "weight_decay", "lr_scale", 
 def _launch(name, dtype, grid, block, args):
     """Run entry point ``name`` for ``dtype`` (tests on the CPU replace this with an emulation)."""
     kernel(SOURCE, entry(name, dtype))(grid, block, args)
+
+
+# The tables of launches that may still be running, with the event that marks each one's end. The
+# launch returns at once; the kernel reads the table later. cupy.asarray copies the host records
+# through a pinned buffer that CuPy keeps until the copy is done, but under CUPY_ENABLE_UMP=1 (unified
+# memory) the device table can be the host records themselves: both must outlive the kernel.
+_in_flight = collections.deque()
+
+
+def _completion_event(device_array):
+    """A CUDA event recorded on the current stream after the launch (None for NumPy arrays: nothing
+    runs asynchronously there, the launch is done when it returns)."""
+    if not is_cupy_array(device_array):
+        return None
+    import cupy
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record()
+    return event
+
+
+def _hold_until_done(records, table) -> None:
+    """Keep the host records and the device table alive until the work queued so far on the current
+    stream has run; let go of the earlier launches' tables whose events have completed."""
+    while _in_flight and _in_flight[0][0].done:
+        _in_flight.popleft()
+    event = _completion_event(table)
+    if event is not None:
+        _in_flight.append((event, (records, table)))
 
 
 def _address(a) -> int:
@@ -174,3 +203,4 @@ def _fused_step(items):
             tensors = xp.asarray(records.view(np.int64))       # the records, as raw 8-byte words
             _launch("adamw_step", p0.dtype, (blocks,), (THREADS,),
                     (tensors, np.int32(len(records)), np.int32(ELEMENTS_PER_BLOCK)))
+            _hold_until_done(records, tensors)
