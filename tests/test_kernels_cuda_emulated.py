@@ -168,8 +168,9 @@ def test_attention(emulate, dtype):
             data, [g_out, g_attn], dtype, "MultiHeadAttention return_attention")
     compare(_attend(k_attention.MultiHeadAttention, h, True, 2), _attend(attention.MultiHeadAttention, h, True, 2),
             data, [g_out[:, :2], g_attn[:, :, :2]], dtype, "MultiHeadAttention num_outputs=2")
-    names = {name.rsplit("_", 1)[0] for name, *_ in run.log}
-    assert names == set(k_attention.KERNEL_NAMES), names
+    launched = {name for name, *_ in run.log}            # every kernel, the tiled ones for heads <= 32
+    assert launched == {k_attention.entry_name(k, dtype, d // h) for k in k_attention.KERNEL_NAMES}, launched
+    assert "attention_forward_d32_" + ("f32" if dtype == np.float32 else "f64") in launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,8 +194,9 @@ def test_attention_over_several_tiles(emulate, dtype, n, dh):
     m = 17
     compare(_attend(k_attention.MultiHeadAttention, h, False, m), _attend(attention.MultiHeadAttention, h, False, m),
             data, [g_out[:, :m]], dtype, f"MultiHeadAttention N={n} dh={dh} num_outputs={m}", ATTENTION_TOL)
-    names = {name.rsplit("_", 1)[0] for name, *_ in run.log}
-    assert names == set(k_attention.KERNEL_NAMES), names
+    launched = {name for name, *_ in run.log}            # the tiled kernels of dh's class: 64 for 33
+    assert launched == {k_attention.entry_name(k, dtype, dh) for k in k_attention.KERNEL_NAMES}, launched
+    assert f"attention_forward_d{64 if dh == 33 else dh}_{'f32' if dtype == np.float32 else 'f64'}" in launched
 
 
 # ---------------------------------------------------------------- loss

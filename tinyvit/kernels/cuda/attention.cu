@@ -8,7 +8,10 @@
 // take the 32 rows of the other side of a tile (keys, or queries in dkdv), one each, staged in
 // shared memory with rows padded to dh + 1 so that 32 lanes reading 32 rows hit 32 banks. The
 // block's own rows sit in shared memory too, where a warp reads them as broadcasts. A lane keeps
-// the accumulators of columns lane, lane + 32, lane + 64, lane + 96 of its warp's rows (dh <= 128).
+// the accumulators of columns lane, lane + 32, ..., lane + 32 (COLS - 1) of its warp's rows, COLS =
+// ceil(dh / 32) rounded up to the head-size class: the kernels forward, dq and dkdv are templates on
+// COLS, compiled for the classes dh <= 32, 64 and 128 (entry points *_d32_*, *_d64_*, *_d128_*), so
+// that a head of 32 or 64 spends no multiply-add on columns it does not have.
 // Softmax statistics are reduced across a warp with shuffles, never through memory. Why this shape:
 // ROWS = 4 rows per warp use each number a lane reads from shared memory 4 times; blocks of only 16
 // rows give even small batches many blocks (ViT-B/16 at batch 8: 96 heads x 13 blocks).
@@ -23,20 +26,22 @@ constexpr int ROWS = 4;
 constexpr int BLOCK_ROWS = WARPS * ROWS;
 constexpr int TILE = WARP;
 constexpr int MAX_HEAD_DIM = 128;
-constexpr int COLS = MAX_HEAD_DIM / WARP;
 constexpr int DELTA_WARPS = 8;
 
 extern __shared__ __align__(16) unsigned char shared_memory[];
 
 // Rows [first, first + count) of a head's (tokens, dh) matrix, row r at src + r * ld, times factor,
 // into dst with row pitch `pitch`; rows at or past `tokens` become zeros (a tile's padding then
-// adds nothing to any sum). The whole block loads; neighbouring threads read neighbouring columns.
+// adds nothing to any sum). The whole block loads, a warp per row (warp w: rows w, w + WARPS, ...),
+// its lanes on neighbouring columns: coalesced reads, and no division per element to find them.
 template <typename T>
 __device__ __forceinline__ void load_rows(T* dst, int pitch, const T* __restrict__ src, int ld, int first,
                                           int count, int tokens, int dh, T factor) {
-    for (int e = threadIdx.x; e < count * dh; e += blockDim.x) {
-        const int r = e / dh, c = e - r * dh, row = first + r;
-        dst[r * pitch + c] = row < tokens ? src[(long long)row * ld + c] * factor : T(0);
+    const int lane = threadIdx.x % WARP;
+    for (int r = threadIdx.x / WARP; r < count; r += blockDim.x / WARP) {
+        const int row = first + r;
+        for (int c = lane; c < dh; c += WARP)
+            dst[r * pitch + c] = row < tokens ? src[(long long)row * ld + c] * factor : T(0);
     }
 }
 
@@ -51,14 +56,14 @@ __device__ __forceinline__ long long head_offset(int b, int h, int tokens, int l
 // acc_i = sum_j exp(S_ij - m_i) v_j; a new tile with a larger max rescales both by exp(m_old - m_new)
 // (online softmax). At the end ctx_i = acc_i / l_i and L_i = m_i + log l_i.
 // Shared: qs [BLOCK_ROWS][dh] (s q), ks [TILE][dh + 1], vs [TILE][dh].
-template <typename T>
+template <typename T, int COLS>
 __device__ void attention_forward(const T* __restrict__ q, int ldq, const T* __restrict__ k,
                                   const T* __restrict__ v, int ldkv, T* __restrict__ out, int ldo,
                                   T* __restrict__ lse, int heads, int m, int n, int dh, T scale) {
     T* qs = reinterpret_cast<T*>(shared_memory);
     T* ks = qs + BLOCK_ROWS * dh;
     T* vs = ks + TILE * (dh + 1);
-    const int bh = blockIdx.x, b = bh / heads, h = bh % heads;
+    const int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int row0 = blockIdx.y * BLOCK_ROWS;
     q += head_offset(b, h, m, ldq, dh);
@@ -132,7 +137,7 @@ __device__ void attention_probabilities(const T* __restrict__ q, int ldq, const 
                                         int n, int dh, T scale) {
     T* qs = reinterpret_cast<T*>(shared_memory);
     T* ks = qs + BLOCK_ROWS * dh;
-    const int bh = blockIdx.x, b = bh / heads, h = bh % heads;
+    const int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int row0 = blockIdx.y * BLOCK_ROWS;
     q += head_offset(b, h, m, ldq, dh);
@@ -190,7 +195,7 @@ __device__ void attention_delta(const T* __restrict__ out, const T* __restrict__
 // Grid (B*H, ceil(M / BLOCK_ROWS)), the forward's layout: a warp's ROWS queries against a tile of
 // TILE keys, lane = key. dq_i = s sum_j dS_ij k_j accumulates in registers over the key tiles.
 // Shared: qs, dos [BLOCK_ROWS][dh] (s q and dctx of the block's queries), ks, vs [TILE][dh + 1].
-template <typename T>
+template <typename T, int COLS>
 __device__ void attention_backward_dq(const T* __restrict__ q, int ldq, const T* __restrict__ k,
                                       const T* __restrict__ v, int ldkv, const T* __restrict__ dout, int ldo,
                                       const T* __restrict__ lse, const T* __restrict__ delta,
@@ -200,7 +205,7 @@ __device__ void attention_backward_dq(const T* __restrict__ q, int ldq, const T*
     T* dos = qs + BLOCK_ROWS * dh;
     T* ks = dos + BLOCK_ROWS * dh;
     T* vs = ks + TILE * (dh + 1);
-    const int bh = blockIdx.x, b = bh / heads, h = bh % heads;
+    const int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int row0 = blockIdx.y * BLOCK_ROWS;
     q += head_offset(b, h, m, ldq, dh);
@@ -273,7 +278,7 @@ __device__ void attention_backward_dq(const T* __restrict__ q, int ldq, const T*
 //   dv_j = sum_i A_ij dctx_i,   dk_j = sum_i dS_ij (s q_i)
 // Shared: kb, vb [BLOCK_ROWS][dh] (the block's keys and values), qs, dos [TILE][dh + 1] (s q and
 // dctx of a query tile), tile_lse, tile_delta [TILE].
-template <typename T>
+template <typename T, int COLS>
 __device__ void attention_backward_dkdv(const T* __restrict__ q, int ldq, const T* __restrict__ k,
                                         const T* __restrict__ v, int ldkv, const T* __restrict__ dout, int ldo,
                                         const T* __restrict__ lse, const T* __restrict__ delta,
@@ -285,7 +290,7 @@ __device__ void attention_backward_dkdv(const T* __restrict__ q, int ldq, const 
     T* dos = qs + TILE * (dh + 1);
     T* tile_lse = dos + TILE * (dh + 1);
     T* tile_delta = tile_lse + TILE;
-    const int bh = blockIdx.x, b = bh / heads, h = bh % heads;
+    const int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int key_row0 = blockIdx.y * BLOCK_ROWS;
     q += head_offset(b, h, m, ldq, dh);
@@ -363,13 +368,33 @@ __device__ void attention_backward_dkdv(const T* __restrict__ q, int ldq, const 
 }
 
 // ------------------------------------------------------------------ the kernels CuPy launches
-// C names (no C++ mangling) for each element type: attention_forward_f32, ..._f64, and so on.
-#define ATTENTION_KERNELS(T, SUFFIX)                                                                        \
-extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_forward_##SUFFIX(                     \
+// C names (no C++ mangling) for each element type, and for the tiled kernels that accumulate rows of
+// the head in registers also each head-size class: attention_forward_d64_f32 (COLS = 2 columns per
+// lane, heads of 33 to 64), attention_probabilities_f32, ..._f64, and so on.
+#define ATTENTION_TILED_KERNELS(T, SUFFIX, COLS, CLASS)                                                      \
+extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_forward_d##CLASS##_##SUFFIX(          \
         const T* q, int ldq, const T* k, const T* v, int ldkv, T* out, int ldo, T* lse, int heads, int m,  \
         int n, int dh, T scale) {                                                                           \
-    attention_forward<T>(q, ldq, k, v, ldkv, out, ldo, lse, heads, m, n, dh, scale);                        \
+    attention_forward<T, COLS>(q, ldq, k, v, ldkv, out, ldo, lse, heads, m, n, dh, scale);                  \
 }                                                                                                           \
+extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_backward_dq_d##CLASS##_##SUFFIX(      \
+        const T* q, int ldq, const T* k, const T* v, int ldkv, const T* dout, int ldo, const T* lse,       \
+        const T* delta, const T* dattn, T* dq, int lddq, int heads, int m, int n, int dh, T scale) {      \
+    attention_backward_dq<T, COLS>(q, ldq, k, v, ldkv, dout, ldo, lse, delta, dattn, dq, lddq, heads, m, n, \
+                                   dh, scale);                                                              \
+}                                                                                                           \
+extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_backward_dkdv_d##CLASS##_##SUFFIX(    \
+        const T* q, int ldq, const T* k, const T* v, int ldkv, const T* dout, int ldo, const T* lse,       \
+        const T* delta, const T* dattn, T* dk, T* dv, int lddkv, int heads, int m, int n, int dh,          \
+        T scale) {                                                                                          \
+    attention_backward_dkdv<T, COLS>(q, ldq, k, v, ldkv, dout, ldo, lse, delta, dattn, dk, dv, lddkv, heads, \
+                                     m, n, dh, scale);                                                      \
+}
+
+#define ATTENTION_KERNELS(T, SUFFIX)                                                                        \
+ATTENTION_TILED_KERNELS(T, SUFFIX, 1, 32)                                                                   \
+ATTENTION_TILED_KERNELS(T, SUFFIX, 2, 64)                                                                   \
+ATTENTION_TILED_KERNELS(T, SUFFIX, 4, 128)                                                                  \
 extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_probabilities_##SUFFIX(               \
         const T* q, int ldq, const T* k, int ldkv, const T* lse, T* attn, int heads, int m, int n, int dh, \
         T scale) {                                                                                          \
@@ -379,19 +404,6 @@ extern "C" __global__ void __launch_bounds__(DELTA_WARPS * WARP) attention_delta
         const T* out, const T* dout, int ldo, const T* attn, const T* dattn, T* delta, int batch,         \
         int heads, int m, int n, int dh) {                                                                  \
     attention_delta<T>(out, dout, ldo, attn, dattn, delta, batch, heads, m, n, dh);                         \
-}                                                                                                           \
-extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_backward_dq_##SUFFIX(                 \
-        const T* q, int ldq, const T* k, const T* v, int ldkv, const T* dout, int ldo, const T* lse,       \
-        const T* delta, const T* dattn, T* dq, int lddq, int heads, int m, int n, int dh, T scale) {      \
-    attention_backward_dq<T>(q, ldq, k, v, ldkv, dout, ldo, lse, delta, dattn, dq, lddq, heads, m, n, dh,  \
-                             scale);                                                                        \
-}                                                                                                           \
-extern "C" __global__ void __launch_bounds__(WARPS * WARP) attention_backward_dkdv_##SUFFIX(               \
-        const T* q, int ldq, const T* k, const T* v, int ldkv, const T* dout, int ldo, const T* lse,       \
-        const T* delta, const T* dattn, T* dk, T* dv, int lddkv, int heads, int m, int n, int dh,          \
-        T scale) {                                                                                          \
-    attention_backward_dkdv<T>(q, ldq, k, v, ldkv, dout, ldo, lse, delta, dattn, dk, dv, lddkv, heads, m,  \
-                               n, dh, scale);                                                               \
 }
 
 ATTENTION_KERNELS(float, f32)

@@ -27,8 +27,10 @@ and the same result on every run.
 
 Kernels read q, k, v in place in the GEMM's (B*N, 3D) output (row stride 3D; head h at columns
 h*D_h) and write ctx and dq, dk, dv into the rows the next GEMM reads: no head split or merge is
-ever copied. Thread layout: see SOURCE. float32 (accumulating in float32) and float64; head sizes
-up to MAX_HEAD_DIM = 128. Attention dropout (training with attn_dropout > 0) and head sizes the
+ever copied. Thread layout: see attention.cu. float32 (accumulating in float32) and float64; head
+sizes up to MAX_HEAD_DIM = 128, the kernels that keep rows of a head in registers (forward, dq, dkdv)
+compiled once per head-size class (HEAD_CLASSES: up to 32, 64, 128 columns; a lane holds 1, 2 or 4
+of them), so that ViT's heads of 32 and 64 pay no multiply-adds on padding. Attention dropout (training with attn_dropout > 0) and head sizes the
 kernels do not fit run the reference instead (ops/attention.py, the same random numbers).
 
 Tests: tests/test_kernels_cuda_attention.py (GPU: equal to the reference, every output and gradient).
@@ -51,7 +53,8 @@ WARPS = 4                      # warps per block of the tiled kernels: 128 threa
 ROWS = 4                       # rows each warp owns: queries (forward, dq) or keys (dkdv)
 BLOCK_ROWS = WARPS * ROWS      # 16 rows per block
 TILE = WARP                    # keys (forward, dq) or queries (dkdv) per tile: one per lane
-MAX_HEAD_DIM = 128             # 4 columns of a head per lane
+MAX_HEAD_DIM = 128             # at most 4 columns of a head per lane
+HEAD_CLASSES = (32, 64, 128)   # the instantiations of the tiled kernels: 1, 2, 4 columns per lane
 DELTA_WARPS = 8                # attention_delta: a warp per row, 8 rows per block
 STATIC_SHARED_LIMIT = 48 * 1024    # above this, a kernel must opt in to more dynamic shared memory
 MAX_GRID_Y = 65535
@@ -60,6 +63,7 @@ SOURCE = load_source("attention.cu")          # the CUDA C++ of the kernels belo
 
 KERNEL_NAMES = ("attention_forward", "attention_probabilities", "attention_delta", "attention_backward_dq",
                 "attention_backward_dkdv")
+BY_HEAD_CLASS = ("attention_forward", "attention_backward_dq", "attention_backward_dkdv")   # templates on COLS
 NULL = np.uintp(0)     # a null pointer argument (CuPy passes a NumPy scalar by value: 8 bytes, as a pointer)
 
 
@@ -113,11 +117,31 @@ def max_shared_bytes() -> int:
     return _shared_limit(cupy.cuda.Device().id)
 
 
+def head_class(head_dim: int) -> int:
+    """The smallest of HEAD_CLASSES that holds a head of ``head_dim`` columns."""
+    for size in HEAD_CLASSES:
+        if head_dim <= size:
+            return size
+    raise ValueError(f"attention kernels: head size {head_dim} is beyond MAX_HEAD_DIM = {MAX_HEAD_DIM}")
+
+
+def entry_name(name: str, dtype, head_dim: int) -> str:
+    """The entry point that runs kernel ``name`` for this dtype and head size: attention_forward_d64_f32
+    for a head of 33 to 64 float32 numbers; attention_delta_f64 (no class) and so on."""
+    return entry(f"{name}_d{head_class(head_dim)}" if name in BY_HEAD_CLASS else name, dtype)
+
+
+def entry_names() -> list:
+    """Every entry point of SOURCE: each kernel for float32 and float64, and in each head-size class."""
+    return [entry_name(name, dtype, size) for name in KERNEL_NAMES for dtype in (np.float32, np.float64)
+            for size in (HEAD_CLASSES if name in BY_HEAD_CLASS else HEAD_CLASSES[:1])]
+
+
 def _launch(name, dtype, shape, args):
-    """Launch kernel ``name`` for this dtype on shape = (B, H, M, N, D_h), opting in to more than
-    48 KB of dynamic shared memory where it needs it."""
+    """Launch kernel ``name`` for this dtype on shape = (B, H, M, N, D_h), in the head size's class,
+    opting in to more than 48 KB of dynamic shared memory where it needs it."""
     grid, block, shared = launch_config(name, *shape, np.dtype(dtype).itemsize)
-    function = kernel(SOURCE, entry(name, dtype))
+    function = kernel(SOURCE, entry_name(name, dtype, shape[4]))
     if shared > STATIC_SHARED_LIMIT and function.max_dynamic_shared_size_bytes < shared:
         function.max_dynamic_shared_size_bytes = shared
     function(grid, block, args, shared_mem=shared)
