@@ -16,11 +16,19 @@ different shuffles, a full-mask shuffle after a lane exited (shim.h).
 
 Arithmetic as on a GPU where it matters: multiply-adds fused wherever the compiler sees one (FLAGS,
 when the CPU has FMA instructions; the GPU compiler fuses the same patterns, if not always the same
-instances). Not emulated (see shim.h): warp scheduling and lockstep, the CUDA memory model, atomics,
-the last-ulp behaviour of the device math functions. So a passing emulation proves the kernels'
-indexing, synchronisation structure and arithmetic, with float64 to rounding and float32 to a few
-ulps of what a GPU computes; it does not prove their speed, nor the absence of every race a real
-GPU might expose.
+instances), float32 denormals flushed to zero (CuPy's -ftz=true). Not emulated (see shim.h): warp
+scheduling and lockstep, the CUDA memory model, atomics, the last-ulp behaviour of the device math
+functions. So a passing emulation proves the kernels' indexing, synchronisation structure and
+arithmetic, with float64 to rounding and float32 to a few ulps of what a GPU computes; it does not
+prove their speed, nor the absence of every race a real GPU might expose: a race changes a result
+here only when the threads' timing happens to expose it, an out-of-bounds read only when what lies
+there is not harmless.
+
+Those two are what the sanitizer builds find every time: with TINYVIT_EMULATOR_SANITIZE=thread
+(ThreadSanitizer: any two accesses of emulated threads, one a write, not ordered by a barrier or a
+shuffle) or =address (AddressSanitizer: any access outside an array or the shared memory), build()
+instruments the kernels. The runtime must be loaded first: run through sanitize.py (opt-in, slow;
+tests/test_cuda_emulator_sanitizers.py, in CI, proves both catch their defect on one small case).
 """
 from __future__ import annotations
 
@@ -72,13 +80,13 @@ _STATIC_SHARED = re.compile(r"(?<!extern )__shared__\s+([^;=]+?)\s+(\w+)\s*((?:\
 
 
 def unavailable_reason() -> str | None:
-    """Why kernels cannot be emulated here (no g++, or no C++20 <barrier>), or None."""
+    """Why kernels cannot be emulated here (no g++, or no C++20 <source_location>), or None."""
     if shutil.which(CXX) is None:
         return f"{CXX} not found"
     probe = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], capture_output=True, text=True,
-                           input="#include <barrier>\nstd::barrier<> b(1);\n", check=False)
+                           input="#include <source_location>\nauto here = std::source_location::current();\n", check=False)
     if probe.returncode:
-        return f"{CXX} has no C++20 <barrier>: {probe.stderr.strip()[:200]}"
+        return f"{CXX} has no C++20 <source_location>: {probe.stderr.strip()[:200]}"
     return None
 
 
@@ -154,7 +162,7 @@ def sanitizer_flags(name: str | None) -> tuple:
         raise RuntimeError(f"TINYVIT_EMULATOR_SANITIZE={name}: the {name} sanitizer's runtime is not loaded in "
                            f"this process; run `python tests/cuda_emulator/sanitize.py {name} [pytest arguments]`"
                            ) from None
-    return ("-g", "-fno-omit-frame-pointer", f"-fsanitize={name}")
+    return ("-O1", "-g", "-fno-omit-frame-pointer", f"-fsanitize={name}")      # -O1: quicker to build, exact lines
 
 
 def build(source: str, build_dir, extra_flags=()) -> Library:

@@ -2,10 +2,10 @@
 // each module's SOURCE) use, for tests/cuda_emulator/emulator.py. What is emulated:
 //   - one std::thread per CUDA thread; the blocks of a grid run one after another, the threads of a
 //     block all at once (threadIdx, blockIdx, blockDim, gridDim as in CUDA);
-//   - __syncthreads as a barrier of the block (a thread that returns drops out of it, as on sm_70+),
-//     checked by call site: every thread that waits in one phase must wait at the same line of the
-//     source (threads at two different __syncthreads is undefined on a GPU; a helper function that
-//     calls it counts as one line);
+//   - __syncthreads as a barrier of the block (EmuBarrier; a thread that returns drops out of it, as
+//     on sm_70+), checked by call site: every thread that waits in one phase must wait at the same
+//     line of the source (threads at two different __syncthreads is undefined on a GPU; a helper
+//     function that calls it counts as one line);
 //   - __shfl_sync / __shfl_xor_sync (full mask only) through a per-warp exchange at a barrier,
 //     checked the same way: all 32 lanes at the same line, and none of them exited (a full-mask
 //     shuffle after a lane returned, or with lanes a partial last warp lacks, is undefined on a GPU);
@@ -26,7 +26,12 @@
 // not necessarily exactly where ptxas does, so float32 results agree with a GPU to rounding, not bit
 // for bit.
 #pragma once
-#include <barrier>
+#include <atomic>
+#include <climits>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -66,7 +71,7 @@ inline std::string emu_where(const std::source_location& s) {
 }
 
 // Where each thread of a group (a block's threads, or a warp's lanes) waits, and which have exited:
-// what the completion of each barrier phase checks (std::barrier runs it once all have arrived).
+// what the completion of each barrier phase checks (EmuBarrier runs it once all have arrived).
 struct EmuSites {
     const char* what;                    // "__syncthreads" or "shuffle"
     bool exits_forbidden;                // shuffles: every lane of the mask must take part
@@ -89,15 +94,45 @@ struct EmuSites {
                        " of its warp exited (undefined on a GPU)");
     }
 };
-struct EmuCheck {
-    EmuSites* sites;
-    void operator()() noexcept { sites->check(); }
+// A barrier of `count` threads that runs sites->check() when a phase completes; a thread that has
+// exited drops out (arrive_and_drop). Its own atomics and a futex on its own phase word, not
+// std::barrier: libstdc++'s std::barrier waits through a waiter table shared by every barrier of the
+// process, whose atomic counters give ThreadSanitizer orderings between unrelated threads (two warps
+// at their own shuffles), hiding real races between them. Here only this barrier's atomics order
+// threads: each arrival releases, the last one acquires them all and releases the next phase.
+class EmuBarrier {
+public:
+    EmuBarrier(unsigned count, EmuSites* sites) : state_((unsigned long long)count << 32), sites_(sites) {}
+    void arrive_and_wait() {
+        const unsigned phase = phase_.load(std::memory_order_acquire);
+        const unsigned long long s = state_.fetch_add(1, std::memory_order_acq_rel) + 1;
+        if ((unsigned)s == (unsigned)(s >> 32)) return complete(phase);
+        for (int i = 0; i < 16 && phase_.load(std::memory_order_acquire) == phase; ++i)
+            sched_yield();                // let the others arrive before sleeping (cheaper than a futex)
+        while (phase_.load(std::memory_order_acquire) == phase)
+            syscall(SYS_futex, &phase_, FUTEX_WAIT_PRIVATE, phase, nullptr, nullptr, 0);
+    }
+    void arrive_and_drop() {              // expected - 1 from now on; completes the phase if it was the last
+        const unsigned phase = phase_.load(std::memory_order_acquire);
+        const unsigned long long s = state_.fetch_sub(1ull << 32, std::memory_order_acq_rel) - (1ull << 32);
+        if ((unsigned)s > 0 && (unsigned)s == (unsigned)(s >> 32)) complete(phase);
+    }
+
+private:
+    void complete(unsigned phase) {       // every live thread has arrived: none arrives or drops meanwhile
+        sites_->check();
+        state_.fetch_and(~0xffffffffull, std::memory_order_relaxed);          // arrived = 0
+        phase_.store(phase + 1, std::memory_order_release);
+        syscall(SYS_futex, &phase_, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+    }
+    std::atomic<unsigned long long> state_;     // expected << 32 | arrived
+    std::atomic<unsigned> phase_{0};
+    EmuSites* sites_;
 };
-using EmuBarrier = std::barrier<EmuCheck>;
 
 struct EmuWarp {
     EmuSites sites{"shuffle", true, 32};
-    EmuBarrier bar{32, EmuCheck{&sites}};
+    EmuBarrier bar{32, &sites};
     unsigned long long slot[2][32];      // double-buffered: exchange k writes slot[k % 2]
     unsigned phase[32] = {};             // each lane's count of exchanges so far
 };
@@ -227,7 +262,7 @@ const char* emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t share
         std::memset(memory, 0xFF, shared ? shared : 1);
         for (auto& [p, bytes] : emu_static_shared) std::memset(p, 0xFF, bytes);
         EmuSites block_sites("__syncthreads", false, threads);
-        EmuBarrier bar(threads, EmuCheck{&block_sites});
+        EmuBarrier bar(threads, &block_sites);
         std::vector<EmuWarp> warp(warps);
         // a partial last warp: its missing lanes count as exited (a full-mask shuffle there fails)
         for (unsigned t = threads; t < warps * 32; ++t) {
