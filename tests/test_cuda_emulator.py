@@ -120,12 +120,12 @@ extern "C" __global__ void whole_warps_leave(float* x) {      // the kernels' pa
     ("divergent_shuffle", r"wait at different shuffle calls, kernels.cu:8 and kernels.cu:9"),
     ("shuffle_after_exit", r"a full-mask shuffle at kernels.cu:14 after lane 5 of its warp exited"),
     ("whole_warps_leave", None)])
-def test_the_emulator_checks_barrier_and_shuffle_call_sites(tmp_path, name, problem):
+def test_the_emulator_checks_barrier_and_shuffle_call_sites(libraries, name, problem):
     """Undefined on a GPU, and passed unnoticed by an emulator that only counts arrivals: threads of a
     block at two different __syncthreads, lanes of a warp at two different shuffles, a full-mask
     shuffle after a lane returned. Whole warps returning before a barrier is fine (sm_70+)."""
     source = '#line 1 "kernels.cu"\n' + SYNCHRONISATION
-    kernel = emulator.Emulation(emulator.build(source, tmp_path)).kernel(source, name)
+    kernel = emulator.Emulation(emulator.build(source, libraries[1])).kernel(source, name)   # built once
     x = np.arange(64, dtype=np.float32)
     if problem is None:
         kernel((1,), (64,), (x,))

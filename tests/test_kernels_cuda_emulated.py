@@ -127,14 +127,18 @@ def test_attention(emulate, dtype):
     assert "attention_forward_d32_" + ("f32" if dtype == np.float32 else "f64") in launched
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [40, 70])
-@pytest.mark.parametrize("dh", [33, 64, 128])
+# every (N, D_h) in float64; in float32 (the arithmetic is the same template) two of them
+SEVERAL_TILES = [(n, dh, np.float64) for n in (40, 70) for dh in (33, 64, 128)] + [(70, 64, np.float32),
+                                                                                  (40, 128, np.float32)]
+
+
+@pytest.mark.parametrize("n,dh,dtype", SEVERAL_TILES, ids=[f"N{n}-dh{dh}-{np.dtype(t).name}" for n, dh, t in SEVERAL_TILES])
 def test_attention_over_several_tiles(emulate, dtype, n, dh):
     """Shapes the small test above does not reach: N = 40 and 70 (two and three tiles of 32 keys, the
-    last ragged; three and five blocks of 16 queries), head sizes 33 (a ragged column group), 64 and
-    128 (the largest, past 48 KB of shared memory in float64), with the attention map and its
-    gradient, all N queries and fewer (M = 17 < N: more key tiles than query blocks in dkdv)."""
+    last ragged; three and five blocks of 16 queries), head sizes 33 (a ragged column group, in the
+    class of 64), 64 and 128 (the largest, past 48 KB of shared memory in float64), with the attention
+    map and its gradient, all N queries and, at N = 70 (heads of 64 and 128), fewer (M = 17 < N: more
+    key tiles than query blocks in dkdv)."""
     run = emulate("attention")
     rng = np.random.default_rng(n + dh)
     b, h = 1, 2 if dh == 33 else 1              # two heads: q, k, v of head 1 at column offsets 33, 66, 99
@@ -145,9 +149,11 @@ def test_attention_over_several_tiles(emulate, dtype, n, dh):
     g_out, g_attn = rng.standard_normal((b, n, d)), rng.standard_normal((b, h, n, n))
     compare(_attend(k_attention.MultiHeadAttention, h, True), _attend(attention.MultiHeadAttention, h, True),
             data, [g_out, g_attn], dtype, f"MultiHeadAttention N={n} dh={dh}", ATTENTION_TOL)
-    m = 17
-    compare(_attend(k_attention.MultiHeadAttention, h, False, m), _attend(attention.MultiHeadAttention, h, False, m),
-            data, [g_out[:, :m]], dtype, f"MultiHeadAttention N={n} dh={dh} num_outputs={m}", ATTENTION_TOL)
+    if n == 70 and dh != 33:
+        m = 17
+        compare(_attend(k_attention.MultiHeadAttention, h, False, m),
+                _attend(attention.MultiHeadAttention, h, False, m), data, [g_out[:, :m]], dtype,
+                f"MultiHeadAttention N={n} dh={dh} num_outputs={m}", ATTENTION_TOL)
     launched = {name for name, *_ in run.log}            # the tiled kernels of dh's class: 64 for 33
     assert launched == {k_attention.entry_name(k, dtype, dh) for k in k_attention.KERNEL_NAMES}, launched
     assert f"attention_forward_d{64 if dh == 33 else dh}_{'f32' if dtype == np.float32 else 'f64'}" in launched

@@ -4,17 +4,18 @@ each in a process of its own started by sanitize.py's environment.
 
     python tests/cuda_emulator/mutants.py intact | missing-barrier | unbounded-load
 
-    missing-barrier   attention_backward_dkdv without the __syncthreads at the top of its loop over
-                      query tiles: a fast warp loads the next tile into shared memory while slower
-                      ones still read the last (a write-after-read race; the plain emulator's threads
-                      are rarely far enough apart for it to change a result)
+    missing-barrier   attention_forward without the __syncthreads at the top of its loop over key
+                      tiles: a fast warp loads the next tile of keys and values into shared memory
+                      while slower ones still read the last (a write-after-read race, which changes a
+                      result only when the threads' timing lets a warp run that far ahead)
     unbounded-load    load_rows without its `row < tokens ?` guard: the rows of a tile past the last
                       token are read from beyond the q, k, v buffer (multiplied by weights of 0 for
-                      keys, so the plain emulator's results usually come out right)
+                      keys, so a result changes only where what lies there is NaN or infinite)
 
 B = 1, N = 40 tokens (two tiles of 32 keys and queries), one head of 8: small enough for a sanitized
-build (10-30 times slower). Prints the largest difference from the reference; exit status 0 when the
-results agree (float64, 1e-10), 1 when they do not. A sanitizer's report ends the process first.
+build (10-30 times slower); both defects are met in the first kernel, attention_forward. Prints the
+largest difference from the reference; exit status 0 when the results agree (float64, 1e-10), 1
+when they do not. A sanitizer's report ends the process first.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from cuda_emulator import emulator  # noqa: E402
 
 MUTANTS = {
     "intact": None,
-    "missing-barrier": ("    for (int q0 = 0; q0 < m; q0 += TILE) {\n        __syncthreads();\n",
-                        "    for (int q0 = 0; q0 < m; q0 += TILE) {\n"),
+    "missing-barrier": ("        __syncthreads();                            // every warp is done with the previous tile\n",
+                        ""),
     "unbounded-load": ("row < tokens ? src[(long long)row * ld + c] * factor : T(0);",
                        "src[(long long)row * ld + c] * factor;"),
 }

@@ -107,7 +107,7 @@ public:
         const unsigned phase = phase_.load(std::memory_order_acquire);
         const unsigned long long s = state_.fetch_add(1, std::memory_order_acq_rel) + 1;
         if ((unsigned)s == (unsigned)(s >> 32)) return complete(phase);
-        for (int i = 0; i < 16 && phase_.load(std::memory_order_acquire) == phase; ++i)
+        for (int i = 0; i < 4 && phase_.load(std::memory_order_acquire) == phase; ++i)
             sched_yield();                // let the others arrive before sleeping (cheaper than a futex)
         while (phase_.load(std::memory_order_acquire) == phase)
             syscall(SYS_futex, &phase_, FUTEX_WAIT_PRIVATE, phase, nullptr, nullptr, 0);
