@@ -69,7 +69,8 @@ def test_the_emulator_fuses_multiply_adds_as_a_gpu_does(tmp_path):
     (NVRTC does, and the emulator's build, on a CPU with FMA instructions), 0 with __fmul_rn."""
     if not emulator.FMA:
         pytest.skip("this CPU has no FMA instructions: the emulator cannot fuse multiply-adds here")
-    kernel = emulator.Emulation(emulator.build(CONTRACTION, tmp_path)).kernel(CONTRACTION, "product_minus_rounded_product")
+    library = emulator.build(CONTRACTION, tmp_path)
+    kernel = emulator.Emulation(library).kernel(CONTRACTION, "product_minus_rounded_product")
     a, out = np.array([1 + 2 ** -12, 1 + 2 ** -13], np.float32), np.full(2, np.nan, np.float32)
     kernel((1,), (1,), (a, out))
     assert out[0] == np.float32(2 ** -25) and out[1] == 0, out
@@ -146,7 +147,8 @@ def test_a_lane_that_leaves_before_a_warp_sum_fails(libraries, emulate, monkeypa
     monkeypatch.setattr(k_layernorm, "SOURCE", mutated)
     emulate("layernorm", emulator.build(mutated, libraries[1]))
     x = np.random.default_rng(8).standard_normal((3, 7))
-    with pytest.raises(RuntimeError, match=r"layer_norm_forward_f64: a full-mask shuffle at common.cuh:\d+ after lane 7"):
+    problem = r"layer_norm_forward_f64: a full-mask shuffle at common.cuh:\d+ after lane 7"
+    with pytest.raises(RuntimeError, match=problem):
         k_layernorm.LayerNorm.apply(tv.Tensor(x), None, None, 1e-5)
 
 

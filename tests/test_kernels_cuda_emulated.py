@@ -132,7 +132,8 @@ SEVERAL_TILES = [(n, dh, np.float64) for n in (40, 70) for dh in (33, 64, 128)] 
                                                                                   (40, 128, np.float32)]
 
 
-@pytest.mark.parametrize("n,dh,dtype", SEVERAL_TILES, ids=[f"N{n}-dh{dh}-{np.dtype(t).name}" for n, dh, t in SEVERAL_TILES])
+@pytest.mark.parametrize("n,dh,dtype", SEVERAL_TILES,
+                         ids=[f"N{n}-dh{dh}-{np.dtype(t).name}" for n, dh, t in SEVERAL_TILES])
 def test_attention_over_several_tiles(emulate, dtype, n, dh):
     """Shapes the small test above does not reach: N = 40 and 70 (two and three tiles of 32 keys, the
     last ragged; three and five blocks of 16 queries), head sizes 33 (a ragged column group, in the

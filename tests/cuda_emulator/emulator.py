@@ -84,7 +84,8 @@ def unavailable_reason() -> str | None:
     if shutil.which(CXX) is None:
         return f"{CXX} not found"
     probe = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], capture_output=True, text=True,
-                           input="#include <source_location>\nauto here = std::source_location::current();\n", check=False)
+                           input="#include <source_location>\nauto here = std::source_location::current();\n",
+                           check=False)
     if probe.returncode:
         return f"{CXX} has no C++20 <source_location>: {probe.stderr.strip()[:200]}"
     return None

@@ -31,8 +31,8 @@ from cuda_emulator import emulator  # noqa: E402
 
 MUTANTS = {
     "intact": None,
-    "missing-barrier": ("        __syncthreads();                            // every warp is done with the previous tile\n",
-                        ""),
+    "missing-barrier": ("        __syncthreads();                            "
+                        "// every warp is done with the previous tile\n", ""),
     "unbounded-load": ("row < tokens ? src[(long long)row * ld + c] * factor : T(0);",
                        "src[(long long)row * ld + c] * factor;"),
 }

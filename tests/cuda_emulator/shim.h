@@ -77,7 +77,8 @@ struct EmuSites {
     bool exits_forbidden;                // shuffles: every lane of the mask must take part
     std::vector<std::source_location> site;
     std::vector<char> waiting, exited;
-    EmuSites(const char* w, bool forbid, unsigned n) : what(w), exits_forbidden(forbid), site(n), waiting(n), exited(n) {}
+    EmuSites(const char* w, bool forbid, unsigned n)
+        : what(w), exits_forbidden(forbid), site(n), waiting(n), exited(n) {}
     void check() noexcept {
         int first = -1, gone = -1;
         for (int i = 0; i < (int)site.size(); ++i) {
@@ -85,9 +86,9 @@ struct EmuSites {
             if (!waiting[i]) continue;
             if (first < 0) { first = i; continue; }
             if (site[i].line() != site[first].line() || std::strcmp(site[i].file_name(), site[first].file_name()))
-                emu_report(std::string("threads ") + std::to_string(first) + " and " + std::to_string(i) + " of block (" +
-                           std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ") wait at different " +
-                           what + " calls, " + emu_where(site[first]) + " and " + emu_where(site[i]));
+                emu_report("threads " + std::to_string(first) + " and " + std::to_string(i) + " of block (" +
+                           std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ") wait at " +
+                           "different " + what + " calls, " + emu_where(site[first]) + " and " + emu_where(site[i]));
         }
         if (exits_forbidden && first >= 0 && gone >= 0)
             emu_report("a full-mask shuffle at " + emu_where(site[first]) + " after lane " + std::to_string(gone) +

@@ -30,8 +30,9 @@ h*D_h) and write ctx and dq, dk, dv into the rows the next GEMM reads: no head s
 ever copied. Thread layout: see attention.cu. float32 (accumulating in float32) and float64; head
 sizes up to MAX_HEAD_DIM = 128, the kernels that keep rows of a head in registers (forward, dq, dkdv)
 compiled once per head-size class (HEAD_CLASSES: up to 32, 64, 128 columns; a lane holds 1, 2 or 4
-of them), so that ViT's heads of 32 and 64 pay no multiply-adds on padding. Attention dropout (training with attn_dropout > 0) and head sizes the
-kernels do not fit run the reference instead (ops/attention.py, the same random numbers).
+of them), so that ViT's heads of 32 and 64 pay no multiply-adds on padding. Attention dropout
+(training with attn_dropout > 0) and head sizes the kernels do not fit run the reference instead
+(ops/attention.py, the same random numbers).
 
 Tests: tests/test_kernels_cuda_attention.py (GPU: equal to the reference, every output and gradient).
 """
