@@ -72,8 +72,9 @@ def _launch(name, dtype, grid, block, args):
 
 # The tables of launches that may still be running, with the event that marks each one's end. The
 # launch returns at once; the kernel reads the table later. cupy.asarray copies the host records
-# through a pinned buffer that CuPy keeps until the copy is done, but under CUPY_ENABLE_UMP=1 (unified
-# memory) the device table can be the host records themselves: both must outlive the kernel.
+# through a pinned buffer that CuPy keeps until the copy is done, but in CuPy's unified-memory mode
+# (CUPY_ENABLE_UMP=1: system memory the GPU reads directly, on Grace Hopper and HMM systems) the device
+# table can be the host records themselves: both must outlive the kernel.
 _in_flight = collections.deque()
 
 
