@@ -318,9 +318,33 @@ def test_kernels_fit():
 
 @pytest.mark.parametrize("arch", cuda_kernels.SM_ARCHS)
 def test_every_launched_kernel_is_compiled(arch):
-    """Each name the launcher asks for (KERNEL_NAMES, _f32 and _f64) is a kernel of SOURCE's CUBIN."""
+    """Each name the launcher asks for (every kernel, _f32 and _f64, the tiled ones in each head-size
+    class) is a kernel of SOURCE's CUBIN."""
     from test_kernels_cuda_compile import _nvrtc, compile_source
     cubin = compile_source(_nvrtc(), k_attention.SOURCE, "attention", arch)
-    for name in k_attention.KERNEL_NAMES:
-        for suffix in ("f32", "f64"):
-            assert f"{name}_{suffix}".encode() in cubin, f"{name}_{suffix}"
+    names = k_attention.entry_names()
+    assert len(names) == 2 * (3 * len(k_attention.HEAD_CLASSES) + 2)
+    for name in names:
+        assert name.encode() in cubin, name
+
+
+@pytest.mark.parametrize("dh,size", [(1, 32), (32, 32), (33, 64), (48, 64), (64, 64), (65, 128), (128, 128)])
+def test_each_head_size_runs_in_its_class(dh, size):
+    """A head of dh columns runs the tiled kernels compiled for the smallest class that holds it, so a
+    lane keeps size / 32 columns: none for a head of 32 or 64 multiplies padding."""
+    assert k_attention.head_class(dh) == size
+    assert k_attention.entry_name("attention_forward", np.float32, dh) == f"attention_forward_d{size}_f32"
+    assert k_attention.entry_name("attention_delta", np.float64, dh) == "attention_delta_f64"
+    with pytest.raises(ValueError, match="beyond MAX_HEAD_DIM"):
+        k_attention.head_class(129)
+
+
+def test_loads_do_not_divide_per_element():
+    """The tiled kernels find a loaded element's row and column by warp and lane, not by dividing its
+    index by dh: one integer division in each (b = bh / heads, once per thread), where the loads
+    divided per element before (3 to 5 divisions and remainders in each kernel's PTX)."""
+    from cuda_checks import ptx_by_entry
+    for name, ptx in ptx_by_entry(k_attention.SOURCE).items():
+        if "delta" not in name:
+            divisions = re.findall(r"\b(?:div|rem)\.[su](?:32|64)", ptx)
+            assert len(divisions) == 1, (name, divisions)

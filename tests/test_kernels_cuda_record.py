@@ -276,3 +276,35 @@ def test_main_a_file_that_times_out_fails_its_ops_and_keeps_the_others(fake_gpu_
     output.write_text(json.dumps({"gelu": [ENTRY], "gelu_tanh": [ENTRY]}))
     assert record.main(args) == 1
     assert json.loads(output.read_text()) == {"layer_norm": [ENTRY]}      # gelu's entries removed
+
+
+# ---------------------------------------------------------------- the switchboard reads passed.json once
+
+
+def test_passed_json_is_read_once_and_reloaded_on_demand(tmp_path, monkeypatch):
+    """kernel_for asks on every op which CUDA kernels passed: passed.json is read at the first question
+    and kept, so a change on disk shows only after reload_passed() (which the record command calls)."""
+    from tinyvit import kernels
+    from tinyvit.kernels import cuda
+    path = tmp_path / "passed.json"
+    path.write_text(json.dumps({"gelu": [ENTRY]}))
+    monkeypatch.setattr(cuda, "RECORD", path)
+    monkeypatch.setattr(cuda, "_passed", None, raising=False)
+    reads = []
+    original = type(path).read_text
+    monkeypatch.setattr(type(path), "read_text", lambda self, *a, **k: reads.append(self) or original(self, *a, **k))
+    for _ in range(3):
+        assert set(kernels._cuda_passed()) == {"gelu"}
+    assert reads == [path]
+    path.write_text(json.dumps({"layer_norm": [ENTRY]}))
+    assert set(kernels._cuda_passed()) == {"gelu"}
+    assert set(cuda.reload_passed()) == {"layer_norm"} and set(kernels._cuda_passed()) == {"layer_norm"}
+
+
+def test_main_reloads_what_it_wrote(fake_gpu_run, monkeypatch):
+    from tinyvit.kernels import cuda
+    args, output, _ = fake_gpu_run
+    monkeypatch.setattr(cuda, "RECORD", output)
+    monkeypatch.setattr(cuda, "_passed", {"stale": []})
+    record.main(args)
+    assert set(cuda.passed_kernels()) == {"layer_norm"}

@@ -5,15 +5,18 @@ Run from the repository's root with PYTHONPATH=.:
                                                  # shared memory); a RawModule with NVRTC_OPTIONS runs
     python3 tools/gpu_cases.py sanitize          # every kernel once, forward + backward, then a sync; run it
                                                  # under compute-sanitizer --tool memcheck | racecheck | synccheck
-    python3 tools/gpu_cases.py bench             # ms per forward+backward: tinyvit kernel, tinyvit reference
+    python3 tools/gpu_cases.py bench             # ms per forward+backward (attention, LayerNorm, GELU, linear):
+                                                 # tinyvit kernel, tinyvit reference
                                                  # (CuPy ops), PyTorch eager (if importable)
     TINYVIT_CUPY_NO_POOL=1 ...                   # no CuPy memory pool (for memcheck: exact bounds)
     python3 tools/gpu_cases.py sanitize --emulate   # the same cases on the CPU through tests/cuda_emulator
 
-The cases reach what the small test shapes do not: several key and query tiles (N = 70), head sizes
-33, 64 and 128 (a ragged last column group, and above 48 KB of shared memory: the opt-in path),
-float64, a map gradient (dattn), K = 1000 classes (8 warps per row in the loss), LayerNorm rows > 64
-(several column chunks).
+The cases reach what the small test shapes do not: several key and query tiles (N = 70, 197), head
+sizes 32, 33, 64 and 128 (each head-size class of the attention kernels, a ragged last column group,
+and above 48 KB of shared memory: the opt-in path), float64, a map gradient (dattn), no samples (B = 0:
+nothing launched), K = 1000 classes (8 warps per row in the loss), labels outside [0, K) on the
+unchecked path (NaN rows, and nothing read out of bounds: memcheck's case), LayerNorm rows > 64
+(several column chunks), the linear and patch-embedding GEMMs.
 """
 import argparse
 import os
@@ -49,22 +52,48 @@ def cases():
             return (lambda x: F.gelu(x, approximate)), [rng.standard_normal(shape) * 3], [rng.standard_normal(shape)]
         return make
 
-    def cross_entropy(n, k, smoothing):
+    def cross_entropy(n, k, smoothing, bad_labels=False):
         def make(xp, dtype, rng):
-            labels = xp.asarray(rng.integers(0, k, size=n))
-            return (lambda x: F.cross_entropy(x, tv.Tensor(labels), smoothing)), [rng.standard_normal((n, k)) * 3], ["sum"]
+            labels = rng.integers(0, k, size=n)
+            if bad_labels:                               # past the last class, before the first, far past
+                labels[:3] = [k, -1, 10 ** 6]
+            labels = xp.asarray(labels)
+            return (lambda x: F.cross_entropy(x, tv.Tensor(labels), smoothing, check_labels=not bad_labels)), \
+                [rng.standard_normal((n, k)) * 3], ["sum"]
+        return make
+
+    def linear(shape, d_out):
+        def make(xp, dtype, rng):
+            d_in = shape[-1]
+            arrays = [rng.standard_normal(shape), rng.standard_normal((d_in, d_out)) * d_in ** -0.5,
+                      rng.standard_normal(d_out)]
+            return F.linear, arrays, [rng.standard_normal(shape[:-1] + (d_out,))]
+        return make
+
+    def patch_embed(shape, p, d):
+        def make(xp, dtype, rng):
+            b, c, hh, ww = shape
+            arrays = [rng.standard_normal(shape), rng.standard_normal((c * p * p, d)) * 0.1, rng.standard_normal(d)]
+            return (lambda i, w, bias: F.patch_embed(i, w, bias, p)), arrays, \
+                [rng.standard_normal((b, (hh // p) * (ww // p), d))]
         return make
 
     return [
         ("attention N=70 H=2 dh=64 +map", attention(2, 70, 2, 64, True)),
         ("attention N=40 H=1 dh=33", attention(2, 40, 1, 33, False)),
         ("attention N=33 H=1 dh=128 (>48 KB smem)", attention(1, 33, 1, 128, True)),
+        ("attention N=65 H=3 dh=32 (vit-cifar/4)", attention(2, 65, 3, 32, False)),
+        ("attention N=197 H=2 dh=64 (vit-s/16)", attention(1, 197, 2, 64, False)),
+        ("attention B=0 (nothing launched)", attention(0, 5, 2, 16, True)),
         ("layer_norm 300x33", layer_norm(300, 33)),
         ("layer_norm 130x768", layer_norm(130, 768)),
         ("gelu erf", gelu((7, 300), "none")),
         ("gelu tanh", gelu((5000,), "tanh")),
         ("cross_entropy K=10", cross_entropy(37, 10, 0.1)),
         ("cross_entropy K=1000", cross_entropy(9, 1000, 0.0)),
+        ("cross_entropy labels out of range (NaN expected)", cross_entropy(7, 10, 0.1, bad_labels=True)),
+        ("linear (B, N, D) -> 4D", linear((3, 65, 48), 192)),
+        ("patch_embed 32x32, P=4", patch_embed((3, 3, 32, 32), 4, 48)),
     ]
 
 
@@ -106,7 +135,7 @@ def sanitize(xp, sync):
                 try:
                     results = run_case(xp, make, dtype)
                     sync()
-                    finite = all(bool(xp.isfinite(r).all()) for r in results if r is not None)
+                    finite = "NaN expected" in name or all(bool(xp.isfinite(r).all()) for r in results if r is not None)
                     print(f"ok   {name} {np.dtype(dtype).name}{'' if finite else '  (NON-FINITE VALUES)'}", flush=True)
                 except Exception as exc:           # keep going: one failure should not hide the others
                     failures += 1
@@ -150,11 +179,14 @@ def bench(repeats=20):
         w_proj = cupy.asarray(rng.standard_normal((d, d)) * d ** -0.5, dtype=cupy.float32)
         b_qkv, b_proj = cupy.zeros(3 * d, cupy.float32), cupy.zeros(d, cupy.float32)
         g = cupy.ones((d,), cupy.float32)
+        w_fc = cupy.asarray(rng.standard_normal((d, 4 * d)) * d ** -0.5, dtype=cupy.float32)
+        b_fc = cupy.zeros(4 * d, cupy.float32)
         ops = {
             "attention": lambda t: F.multi_head_attention(t, tv.Tensor(w_qkv, requires_grad=True), tv.Tensor(b_qkv, requires_grad=True),
                                                           tv.Tensor(w_proj, requires_grad=True), tv.Tensor(b_proj, requires_grad=True), h),
             "layer_norm": lambda t: F.layer_norm(t, tv.Tensor(g, requires_grad=True), tv.Tensor(g * 0, requires_grad=True), 1e-6),
             "gelu(4D)": lambda t: F.gelu(F.concat([t, t, t, t], axis=-1)),
+            "linear(D->4D)": lambda t: F.linear(t, tv.Tensor(w_fc, requires_grad=True), tv.Tensor(b_fc, requires_grad=True)),
         }
         for op, fn in ops.items():
             row = []
@@ -170,6 +202,7 @@ def bench(repeats=20):
                 tw, tb = torch.as_tensor(w_qkv, device="cuda").requires_grad_(), torch.as_tensor(b_qkv, device="cuda").requires_grad_()
                 tp, tpb = torch.as_tensor(w_proj, device="cuda").requires_grad_(), torch.as_tensor(b_proj, device="cuda").requires_grad_()
                 tg = torch.as_tensor(g, device="cuda").requires_grad_()
+                tfc, tfb = torch.as_tensor(w_fc, device="cuda").requires_grad_(), torch.as_tensor(b_fc, device="cuda").requires_grad_()
 
                 def torch_attention(t):
                     q, k, v = (t @ tw + tb).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
@@ -177,7 +210,8 @@ def bench(repeats=20):
                     return o.transpose(1, 2).reshape(b, n, d) @ tp + tpb
                 torch_ops = {"attention": torch_attention,
                              "layer_norm": lambda t: torch.nn.functional.layer_norm(t, (d,), tg, tg * 0, 1e-6),
-                             "gelu(4D)": lambda t: torch.nn.functional.gelu(torch.cat([t, t, t, t], -1))}
+                             "gelu(4D)": lambda t: torch.nn.functional.gelu(torch.cat([t, t, t, t], -1)),
+                             "linear(D->4D)": lambda t: t @ tfc + tfb}
 
                 def torch_step():
                     tx.grad = None
@@ -205,11 +239,12 @@ def environment():
     pattern = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+?)_(?:##SUFFIX|f32|f64)\(")
     for module in (attention, gelu, layernorm, loss, k_optim):
         start = time.time()
-        for name in sorted(set(pattern.findall(module.SOURCE))):
-            for suffix in ("f32", "f64"):
-                k = cuda.kernel(module.SOURCE, f"{name}_{suffix}")
-                print(f"  {name}_{suffix}: regs {k.num_regs}, local {k.local_size_bytes} B, "
-                      f"static smem {k.shared_size_bytes} B, max threads {k.max_threads_per_block}")
+        names = module.entry_names() if hasattr(module, "entry_names") else \
+            [f"{name}_{suffix}" for name in sorted(set(pattern.findall(module.SOURCE))) for suffix in ("f32", "f64")]
+        for name in names:
+            k = cuda.kernel(module.SOURCE, name)
+            print(f"  {name}: regs {k.num_regs}, local {k.local_size_bytes} B, "
+                  f"static smem {k.shared_size_bytes} B, max threads {k.max_threads_per_block}")
         print(f"{module.__name__}: compile + load {time.time() - start:.1f} s", flush=True)
 
 

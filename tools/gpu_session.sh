@@ -41,7 +41,8 @@ START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 
-wanted() { case ",$ONLY," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+# wanted STEP: whether --only asks for it (and then its header, so that --dry-run lists every step)
+wanted() { case ",$ONLY," in *",$1,"*) echo "=== step $1"; return 0 ;; *) return 1 ;; esac; }
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 note() { echo "$*" | tee -a "$SUMMARY"; }
 pack() { [ "$DRY" = 1 ] || tar czf "$OUT/logs.tgz" --exclude="*.safetensors" -C "$LOGS" . 2>/dev/null; }
@@ -74,9 +75,11 @@ fi
 if wanted record; then
     # The kernels' tests (which decide passed.json) and the rest of the GPU half of the suite at once:
     # separate processes, so a sticky CUDA error in one cannot fail the other.
+    # pytest-xdist and pytest-timeout only where installed (an unknown option would fail the step)
     xdist=""; $PY -c "import xdist" 2>/dev/null && xdist="-n 6"
+    per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=120"
     others=$(ls tests/test_*.py | grep -v test_kernels_cuda_ | tr '\n' ' ')
-    run pytest_gpu_others.txt 200 $PY -m pytest -q -m gpu -p no:cacheprovider $xdist --timeout=120 \
+    run pytest_gpu_others.txt 200 $PY -m pytest -q -m gpu -p no:cacheprovider $xdist $per_test \
         --junitxml="$LOGS/junit_others.xml" $others &
     others_pid=$!
     run record.txt 200 $PY -m tinyvit.kernels.cuda.record --output "$OUT/passed.json" --junit-dir "$LOGS/junit" \
@@ -144,3 +147,5 @@ fi
 
 note "session took $(( $(date +%s) - START ))s"
 pack
+[ "$DRY" = 1 ] && rm -rf "$LOGS"
+exit 0

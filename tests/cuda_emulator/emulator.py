@@ -1,4 +1,4 @@
-"""Run the CUDA C++ of a tinyvit/kernels/cuda/<op>.py module on the CPU, on NumPy arrays.
+"""Run the CUDA C++ of a tinyvit/kernels/cuda/<op>.cu file (its module's SOURCE) on the CPU, on NumPy arrays.
 
 build() compiles the module's SOURCE with g++ (C++20) against shim.h, which emulates the CUDA
 features the kernels use: one std::thread per CUDA thread, the blocks of a grid one after another
@@ -10,18 +10,32 @@ what CuPy would pass to the GPU unchecked (each argument's type against the kern
 np.int32 for int, np.int64 for long long, np.float32 / np.float64 for float / double, a C-contiguous
 array of the pointer's element type, or np.uintp(0) for NULL; grid and block limits; dynamic shared
 memory beyond 48 KB only after opting in through max_dynamic_shared_size_bytes), then runs the
-compiled kernel on the arrays' memory.
+compiled kernel on the arrays' memory, and raises RuntimeError when the shim's checks found a
+problem in the run: threads of a block waiting at different __syncthreads, lanes of a warp at
+different shuffles, a full-mask shuffle after a lane exited (shim.h).
 
-Not emulated (see shim.h): warp scheduling and lockstep, the CUDA memory model, atomics, and the
-last-ulp behaviour of the device math functions and of nvcc's fused multiply-adds. So a passing
-emulation proves the kernels' indexing, synchronisation structure and arithmetic, with float64 to
-rounding and float32 to a few ulps of what a GPU computes; it does not prove their speed, nor the
-absence of every race a real GPU might expose.
+Arithmetic as on a GPU where it matters: multiply-adds fused wherever the compiler sees one (FLAGS,
+when the CPU has FMA instructions; the GPU compiler fuses the same patterns, if not always the same
+instances), float32 denormals flushed to zero (CuPy's -ftz=true). Not emulated (see shim.h): warp
+scheduling and lockstep, the CUDA memory model, atomics, the last-ulp behaviour of the device math
+functions. So a passing emulation proves the kernels' indexing, synchronisation structure and
+arithmetic, with float64 to rounding and float32 to a few ulps of what a GPU computes; it does not
+prove their speed, nor the absence of every race a real GPU might expose: a race changes a result
+here only when the threads' timing happens to expose it, an out-of-bounds read only when what lies
+there is not harmless.
+
+Those two are what the sanitizer builds find every time: with TINYVIT_EMULATOR_SANITIZE=thread
+(ThreadSanitizer: any two accesses of emulated threads, one a write, not ordered by a barrier or a
+shuffle) or =address (AddressSanitizer: any access outside an array or the shared memory), build()
+instruments the kernels. The runtime must be loaded first: run through sanitize.py (opt-in, slow;
+tests/test_cuda_emulator_sanitizers.py, in CI, proves both catch their defect on one small case).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -32,9 +46,29 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 CXX = "g++"
+
+
+def _cpu_has_fma() -> bool:
+    """Whether this CPU has fused multiply-add instructions (x86: the fma flag; arm64 always has them)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    try:
+        return any(line.startswith("flags") and " fma" in line for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
+FMA = _cpu_has_fma()
 # -fno-gnu-unique: each build keeps its own function statics (static __shared__ arrays), even when
-# a mutated copy of a SOURCE is loaded beside the original
-FLAGS = ("-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique")
+# a mutated copy of a SOURCE is loaded beside the original.
+# Contraction as on a GPU: NVRTC and ptxas fuse a * b + c into one FMA (exact product, one rounding)
+# wherever the data flow allows, which changes results (a LayerNorm row of one element: g - mean(g)
+# with g = gy * gamma came out as the product's rounding error, not 0). g++ does the same with
+# -ffp-contract=fast (off under -std=c++20 by default) and FMA instructions (-mfma); -O3 unswitches
+# loops on a flag as ptxas's input does (if (has_gamma) g *= gamma[i] becomes a loop of its own,
+# where the product meets the subtraction). The _rn intrinsics stay unfused (shim.h).
+FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-ffp-contract=fast",
+         *(("-mfma",) if FMA and platform.machine().lower() in ("x86_64", "amd64") else ()))
 STATIC_SHARED_LIMIT = 48 * 1024
 OPTIN_LIMIT = 166912                 # an A100's shared memory per block for kernels that opt in
 C_POINTERS = {"float": np.float32, "double": np.float64, "long long": np.int64, "int": np.int32}
@@ -46,13 +80,14 @@ _STATIC_SHARED = re.compile(r"(?<!extern )__shared__\s+([^;=]+?)\s+(\w+)\s*((?:\
 
 
 def unavailable_reason() -> str | None:
-    """Why kernels cannot be emulated here (no g++, or no C++20 <barrier>), or None."""
+    """Why kernels cannot be emulated here (no g++, or no C++20 <source_location>), or None."""
     if shutil.which(CXX) is None:
         return f"{CXX} not found"
     probe = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], capture_output=True, text=True,
-                           input="#include <barrier>\nstd::barrier<> b(1);\n", check=False)
+                           input="#include <source_location>\nauto here = std::source_location::current();\n",
+                           check=False)
     if probe.returncode:
-        return f"{CXX} has no C++20 <barrier>: {probe.stderr.strip()[:200]}"
+        return f"{CXX} has no C++20 <source_location>: {probe.stderr.strip()[:200]}"
     return None
 
 
@@ -73,6 +108,14 @@ def signatures(source: str) -> dict:
     return found
 
 
+def flushes_denormals(name: str, params) -> bool:
+    """Whether entry point ``name`` runs with float32 denormals flushed (-ftz=true, which CuPy gives
+    every kernel, affects float32 only): a float32 entry point, by its name (<kernel>_f32) or by
+    parameters of type float and none of type double."""
+    types = {t for t, _, _ in params}
+    return name.endswith("_f32") or ("float" in types and "double" not in types)
+
+
 def translate(source: str, sigs: dict) -> str:
     """SOURCE as host C++: shim.h first, extern __shared__ arrays on the launch's buffer, static ones
     registered (shim.h refills them with NaN bytes before each block), and one
@@ -86,18 +129,50 @@ def translate(source: str, sigs: dict) -> str:
         decl = "".join(f", {t}{'*' if ptr else ''} {n}" for t, ptr, n in params)
         args = "".join(f", {n}" for _, _, n in params)
         launchers.append(
-            f'extern "C" void emu_{name}(unsigned emu_gx, unsigned emu_gy, unsigned emu_gz, unsigned emu_bx, '
+            f'extern "C" const char* emu_{name}(unsigned emu_gx, unsigned emu_gy, unsigned emu_gz, unsigned emu_bx, '
             f"unsigned emu_by, unsigned emu_bz, size_t emu_shared{decl}) {{\n"
-            f"    emu_launch(&{name}, dim3(emu_gx, emu_gy, emu_gz), dim3(emu_bx, emu_by, emu_bz), "
-            f"emu_shared{args});\n}}")
+            f"    return emu_launch(&{name}, dim3(emu_gx, emu_gy, emu_gz), dim3(emu_bx, emu_by, emu_bz), "
+            f"emu_shared, {'true' if flushes_denormals(name, params) else 'false'}{args});\n}}")
     return '#include "shim.h"\n' + body + "\n" + "\n".join(launchers) + "\n"
 
 
+# TINYVIT_EMULATOR_SANITIZE=thread or =address: builds instrumented by ThreadSanitizer (data races
+# between the emulated threads: a missing __syncthreads) or AddressSanitizer (reads and writes out of
+# an array's or the shared memory's bounds). Their runtime must be in the process from its start:
+# run the tests through `python tests/cuda_emulator/sanitize.py thread|address [pytest arguments]`.
+SANITIZERS = {"thread": "__tsan_init", "address": "__asan_init"}
+
+
+def sanitizer() -> str | None:
+    """The sanitizer TINYVIT_EMULATOR_SANITIZE asks for ("thread", "address"), or None."""
+    name = os.environ.get("TINYVIT_EMULATOR_SANITIZE", "").strip().lower()
+    if name in ("", "0", "off", "none"):
+        return None
+    if name not in SANITIZERS:
+        raise ValueError(f"TINYVIT_EMULATOR_SANITIZE={name!r}: expected one of {sorted(SANITIZERS)}")
+    return name
+
+
+def sanitizer_flags(name: str | None) -> tuple:
+    """g++ flags of a build instrumented by sanitizer ``name``; refuses when its runtime is not loaded."""
+    if name is None:
+        return ()
+    try:
+        getattr(ctypes.CDLL(None), SANITIZERS[name])
+    except AttributeError:
+        raise RuntimeError(f"TINYVIT_EMULATOR_SANITIZE={name}: the {name} sanitizer's runtime is not loaded in "
+                           f"this process; run `python tests/cuda_emulator/sanitize.py {name} [pytest arguments]`"
+                           ) from None
+    # the plain build's -O3 kept: the same arithmetic (fused multiply-adds), with or without a sanitizer
+    return ("-g", "-fno-omit-frame-pointer", f"-fsanitize={name}")
+
+
 def build(source: str, build_dir, extra_flags=()) -> Library:
-    """Compile source (cached in build_dir by a hash of the translated code and flags)."""
+    """Compile source (cached in build_dir by a hash of the translated code and flags), instrumented
+    by the sanitizer TINYVIT_EMULATOR_SANITIZE names, if any."""
     sigs = signatures(source)
     code = translate(source, sigs)
-    flags = [*FLAGS, *extra_flags]
+    flags = [*FLAGS, *sanitizer_flags(sanitizer()), *extra_flags]
     key = hashlib.sha1((code + " ".join(flags) + (HERE / "shim.h").read_text()).encode()).hexdigest()[:16]
     build_dir = Path(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +204,7 @@ class FakeKernel:
         self.function = getattr(library.cdll, f"emu_{name}")
         self.function.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_size_t] + [
             ctypes.c_void_p if ptr else C_SCALARS[t][1] for t, ptr, _ in self.params]
-        self.function.restype = None
+        self.function.restype = ctypes.c_char_p        # the first problem a check found, or NULL
 
     def __setattr__(self, key, value):
         if key == "max_dynamic_shared_size_bytes" and value > OPTIN_LIMIT:
@@ -161,7 +236,9 @@ class FakeKernel:
                 assert type(a) is C_SCALARS[t][0], f"{name}({pname}): {type(a).__name__} for {t}"
                 values.append(a.item())
         self.log.append((name, grid, block, shared_mem))
-        self.function(*grid, *block, shared_mem, *values)
+        problem = self.function(*grid, *block, shared_mem, *values)
+        if problem:
+            raise RuntimeError(f"{name}: {problem.decode()}")
 
 
 class Emulation:

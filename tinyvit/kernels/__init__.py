@@ -84,6 +84,8 @@ CPU_KERNELS = {
 # The CUDA kernels, by the same names (kernels/cuda/); each runs only once kernels/cuda/passed.json
 # records that its GPU tests passed, or when the setting is "all".
 CUDA_KERNELS: dict = {
+    "linear": "linear:Linear",
+    "patch_embed": "linear:PatchEmbed",
     "layer_norm": "layernorm:LayerNorm",
     "gelu": "gelu:GELU",
     "gelu_tanh": "gelu:GELUTanh",

@@ -23,6 +23,9 @@ ELEMENTS_PER_BLOCK elements (coalesced, stride THREADS).
 Every operation is an explicitly rounded intrinsic (__fmul_rn, __fdiv_rn, __fsqrt_rn, ...), which
 the compiler never contracts into fused multiply-adds: the same roundings as the reference's
 separate CuPy kernels, so the same numbers, bit for bit where CuPy's kernels round correctly.
+Both sides flush float32 denormals to zero on a GPU (CuPy compiles its own kernels with -ftz=true
+too); against NumPy, which keeps them (the emulated test), the bits agree while no float32 number of
+the step is denormal (below 1.2e-38: a gradient below about 1e-19 has a denormal square).
 
 step(items, update) uses the kernel for the parameters of an Adam optimizer whose update is
 Adam._update with decoupled weight decay (AdamW) or no weight decay, standard hyperparameters
@@ -33,6 +36,7 @@ against a NumPy emulation of the kernel that follows the table's addresses).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import numbers
@@ -41,79 +45,13 @@ import numpy as np
 
 from ...backend import device_of, get_array_module, is_cupy_array
 from ...optim import Adam
-from . import entry, kernel
+from . import entry, kernel, load_source
 
 THREADS = 256
 ELEMENTS_PER_BLOCK = THREADS * 8
 MAX_BLOCKS = 2 ** 31 - 1                      # CUDA's limit on grid.x
 
-SOURCE = r"""
-// One parameter of the step: 14 fields of 8 bytes, no padding; the host builds the same layout
-// (kernels/cuda/optim.py TENSOR, checked against this struct by a test).
-struct AdamWTensor {
-    unsigned long long param, grad, exp_avg, exp_avg_sq;   // device addresses of T arrays
-    long long size;                                         // elements
-    long long first_block;                                  // the first block of the grid on it
-    double decay;                                           // 1 - lr * weight_decay
-    double beta1, one_minus_beta1, beta2, one_minus_beta2;
-    double bias_correction2_sqrt;                           // sqrt(1 - beta2^t)
-    double eps;
-    double step_size;                                       // lr / (1 - beta1^t)
-};
-
-// Correctly rounded operations that the compiler keeps apart (no fused multiply-add).
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
-
-template <typename T>
-__device__ void adamw_step(const AdamWTensor* tensors, int count, int elements_per_block) {
-    int lo = 0, hi = count - 1;                  // the last tensor whose first_block <= blockIdx.x
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (tensors[mid].first_block <= (long long)blockIdx.x) lo = mid; else hi = mid - 1;
-    }
-    const AdamWTensor t = tensors[lo];
-    T* p = reinterpret_cast<T*>(t.param);
-    const T* g = reinterpret_cast<const T*>(t.grad);
-    T* m = reinterpret_cast<T*>(t.exp_avg);
-    T* v = reinterpret_cast<T*>(t.exp_avg_sq);
-    // the per-tensor numbers, rounded to T as the reference's CuPy kernels round Python floats
-    const T decay = (T)t.decay, beta1 = (T)t.beta1, one_minus_beta1 = (T)t.one_minus_beta1;
-    const T beta2 = (T)t.beta2, one_minus_beta2 = (T)t.one_minus_beta2;
-    const T bias_correction2_sqrt = (T)t.bias_correction2_sqrt, eps = (T)t.eps;
-    const T step_size = (T)t.step_size;
-
-    const long long first = ((long long)blockIdx.x - t.first_block) * elements_per_block;
-    const long long last = min(first + elements_per_block, t.size);
-    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
-        const T gi = g[i];
-        const T pi = mul_rn(p[i], decay);                                  // p *= 1 - lr wd
-        const T mi = add_rn(mul_rn(m[i], beta1), mul_rn(gi, one_minus_beta1));
-        const T vi = add_rn(mul_rn(v[i], beta2), mul_rn(mul_rn(gi, gi), one_minus_beta2));
-        const T denom = add_rn(div_rn(sqrt_rn(vi), bias_correction2_sqrt), eps);
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = sub_rn(pi, mul_rn(div_rn(mi, denom), step_size));
-    }
-}
-
-extern "C" __global__ void adamw_step_f32(const AdamWTensor* tensors, int count,
-                                          int elements_per_block) {
-    adamw_step<float>(tensors, count, elements_per_block);
-}
-extern "C" __global__ void adamw_step_f64(const AdamWTensor* tensors, int count,
-                                          int elements_per_block) {
-    adamw_step<double>(tensors, count, elements_per_block);
-}
-"""
+SOURCE = load_source("optim.cu")          # the CUDA C++ of the kernels below
 
 # The host side of struct AdamWTensor: the same fields in the same order, 8 bytes each.
 TENSOR = np.dtype([
@@ -130,6 +68,35 @@ _HYPERPARAMETERS = {"params", "lr", "betas", "eps", "weight_decay", "lr_scale", 
 def _launch(name, dtype, grid, block, args):
     """Run entry point ``name`` for ``dtype`` (tests on the CPU replace this with an emulation)."""
     kernel(SOURCE, entry(name, dtype))(grid, block, args)
+
+
+# The tables of launches that may still be running, with the event that marks each one's end. The
+# launch returns at once; the kernel reads the table later. cupy.asarray copies the host records
+# through a pinned buffer that CuPy keeps until the copy is done, but in CuPy's unified-memory mode
+# (CUPY_ENABLE_UMP=1: system memory the GPU reads directly, on Grace Hopper and HMM systems) the device
+# table can be the host records themselves: both must outlive the kernel.
+_in_flight = collections.deque()
+
+
+def _completion_event(device_array):
+    """A CUDA event recorded on the current stream after the launch (None for NumPy arrays: nothing
+    runs asynchronously there, the launch is done when it returns)."""
+    if not is_cupy_array(device_array):
+        return None
+    import cupy
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record()
+    return event
+
+
+def _hold_until_done(records, table) -> None:
+    """Keep the host records and the device table alive until the work queued so far on the current
+    stream has run; let go of the earlier launches' tables whose events have completed."""
+    while _in_flight and _in_flight[0][0].done:
+        _in_flight.popleft()
+    event = _completion_event(table)
+    if event is not None:
+        _in_flight.append((event, (records, table)))
 
 
 def _address(a) -> int:
@@ -237,3 +204,4 @@ def _fused_step(items):
             tensors = xp.asarray(records.view(np.int64))       # the records, as raw 8-byte words
             _launch("adamw_step", p0.dtype, (blocks,), (THREADS,),
                     (tensors, np.int32(len(records)), np.int32(ELEMENTS_PER_BLOCK)))
+            _hold_until_done(records, tensors)
