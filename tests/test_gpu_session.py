@@ -1,7 +1,7 @@
 """tools/gpu_session.sh and tools/gpu_cases.py, the prepared GPU session, checked on the CPU so that
 they cannot rot between the rare runs on a GPU machine:
 
-- `bash tools/gpu_session.sh --dry-run` lists every step (env, record, sanitize, kbench, bench, train)
+- `bash tools/gpu_session.sh --dry-run` lists every step (env, record, sanitize, kbench, bench, profile, train)
   and the commands it would run, and each command parses: its Python program accepts the flags and
   values the script gives it (the program's own argument parser, run with the script's arguments
   and --help; pytest's options checked against its --help, so a plugin the machine may lack, such as
@@ -23,7 +23,7 @@ import pytest
 from tinyvit.kernels import use_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["env", "record", "sanitize", "kbench", "bench", "train"]
+STEPS = ["env", "record", "sanitize", "kbench", "bench", "profile", "train"]
 LINE = re.compile(r"^\[dry-run\] \(([\w.-]+), -?\d+s\) (.*)$")
 
 
@@ -102,7 +102,7 @@ def test_every_command_parses(dry_run, tmp_path):
     _, commands = dry_run
     programs = {tuple(python_command(tokens)) for _, tokens in commands}
     kinds = {p[0] if p[0] != "-m" else p[1] for p in programs}
-    assert kinds == {"tools/gpu_cases.py", "tinyvit.kernels.cuda.record", "pytest", "tinyvit"}, kinds
+    assert kinds == {"tools/gpu_cases.py", "tools/step_profile.py", "tinyvit.kernels.cuda.record", "pytest", "tinyvit"}, kinds
     with ThreadPoolExecutor(2) as pool:
         problems = [p for p in pool.map(lambda p: check(list(p), tmp_path), sorted(programs)) if p]
     assert not problems, "\n".join(problems)

@@ -15,6 +15,7 @@
 #   sanitize  every kernel once under compute-sanitizer memcheck, racecheck and synccheck
 #   kbench    ms per forward+backward of each kernel, its reference (CuPy ops) and PyTorch eager
 #   bench     the training step against PyTorch eager (tinyvit bench --compare torch), fp32 and tf32
+#   profile   where the fused step's time goes, op by op, host and GPU time (tools/step_profile.py)
 #   train     a short real training run (Fashion-MNIST from .gpu-data/ if carried, else synthetic)
 # Each step has its own time limit, cut to what is left of --budget (default 480 s), so a hang costs
 # one step and the whole session ends inside the budget. --dry-run prints the commands and runs
@@ -22,7 +23,7 @@
 set -u
 cd "$(dirname "$0")/.."
 BUDGET=480
-ONLY="env,record,sanitize,kbench,bench,train"
+ONLY="env,record,sanitize,kbench,bench,profile,train"
 DRY=0
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -137,11 +138,26 @@ if wanted bench; then
     done
 fi
 
+if wanted profile; then
+    # PROFILE_SPECS: "model batch" pairs separated by ';' (the fused step, float32).
+    IFS=';' read -ra specs <<< "${PROFILE_SPECS:-vit-cifar/4 256;vit-s/16 64}"
+    for spec in "${specs[@]}"; do
+        set -- $spec
+        name="profile-${1//\//-}-b$2"
+        run "$name.txt" 60 $PY tools/step_profile.py --model "$1" --batch-size "$2" --device cuda --steps 5 \
+            --json "$LOGS/records/$name.json"
+        [ "$DRY" = 1 ] || head -14 "$LOGS/$name.txt" >> "$SUMMARY"
+        pack
+    done
+fi
+
 if wanted train; then
     data=(--dataset synthetic)
     [ -d .gpu-data/fashion-mnist ] && data=(--dataset fashion-mnist --data-dir .gpu-data)
     run train.txt 120 $PY -m tinyvit train "${data[@]}" --epochs 2 --device cuda --out "$LOGS/run"
-    [ "$DRY" = 1 ] || grep -iE "epoch|accuracy|images/s" "$LOGS/train.txt" | tail -6 >> "$SUMMARY"
+    # progress bars rewrite their line with carriage returns: keep the epochs' own lines
+    [ "$DRY" = 1 ] || tr '\r' '\n' < "$LOGS/train.txt" | grep -E "^(training|epoch [0-9]+/[0-9]+  |done|the recipe)" \
+        | tail -6 >> "$SUMMARY"
     pack
 fi
 
