@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tinyvit as tv
+from tinyvit.kernels import use_kernels
 import tinyvit.functional as F
 from tinyvit.models.vit import ViT, ViTConfig
 
@@ -133,10 +134,16 @@ def gradients_both(xp, op, *arrays):
 @pytest.mark.parametrize("name", WIDENED)
 def test_no_gradient_overflows_in_float16_where_float32_does_not(xp, name, std):
     """The ops computed in float32 for float16 inputs are differentiated in float32 too: float16
-    gradients, a number wherever float32's is one float16 can hold, and nearly the same number."""
+    gradients, a number wherever float32's is one float16 can hold, and nearly the same number.
+    Both on the reference ops (the float16 mechanism is theirs; the kernels take float32 and
+    float64 only): on a GPU the float32 attention would otherwise be the CUDA kernel, whose backward
+    takes delta_i = dctx_i . ctx_i (flash attention's identity), which cancels in float32 for these
+    inputs of up to 6e4 (logits ~1e9) where the reference's sum_j A_ij dA_ij is exact (seen on an
+    H100, 2026-11-27: its float64 gradients match the reference's to 1e-7)."""
     op, inputs = OPS[name]
-    for i, (half, single) in enumerate(zip(*gradients_both(xp, op, *inputs(std)))):
-        check(half, single, f"{name}: gradient of input {i}")
+    with use_kernels(False):
+        for i, (half, single) in enumerate(zip(*gradients_both(xp, op, *inputs(std)))):
+            check(half, single, f"{name}: gradient of input {i}")
 
 
 def test_float16_in_float32_widens_forward_and_backward_and_rounds_back():

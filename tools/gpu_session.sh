@@ -20,6 +20,9 @@
 # Each step has its own time limit, cut to what is left of --budget (default 480 s), so a hang costs
 # one step and the whole session ends inside the budget. --dry-run prints the commands and runs
 # nothing (tests/test_gpu_session.py runs it on the CPU so that the script cannot rot).
+# TINYVIT_COMMIT=<hash> names the commit in every record where the machine's .git is not the tree's
+# (the device tool copies the working tree beside a stale .git): bash tools/gpu_session.sh with
+# TINYVIT_COMMIT=$(git rev-parse HEAD) written into the command.
 set -u
 cd "$(dirname "$0")/.."
 BUDGET=480
@@ -64,7 +67,7 @@ run() {
     return $code
 }
 
-note "tinyvit GPU session $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo -dirty), budget ${BUDGET}s"
+note "tinyvit GPU session $(date -u +%FT%TZ), commit ${TINYVIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo -dirty)}, budget ${BUDGET}s"
 [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$SUMMARY"
 
 if wanted env; then

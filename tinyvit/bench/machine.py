@@ -184,7 +184,10 @@ def _git_dir(start: Path) -> Path | None:
 def git_commit(path=None) -> str | None:
     """The commit checked out in the git repository that holds ``path`` (default: this tinyvit's
     source), read from the .git folder without running git; None outside a checkout. It names HEAD
-    only: uncommitted changes in the working tree are not detected."""
+    only: uncommitted changes in the working tree are not detected. TINYVIT_COMMIT, when set, is
+    taken instead (a copy of the tree whose .git is not its own, as on a borrowed GPU machine)."""
+    if os.environ.get("TINYVIT_COMMIT"):
+        return os.environ["TINYVIT_COMMIT"]
     git = _git_dir(Path(path or Path(__file__).resolve().parent))
     if git is None:
         return None

@@ -18,6 +18,10 @@ Backward (the reference's formulas, regrouped as in flash attention):
     dctx = gy U_msa^T                                     (2-D GEMM)
     delta_i = sum_j dA_ij A_ij = dctx_i . ctx_i (+ sum_j gA_ij A_ij)      attention_delta
               (sum_j A_ij dctx_i . v_j = dctx_i . ctx_i: no N x N array needed)
+              In float32 this identity cancels where the softmax saturates on huge logits (inputs of
+              1e4 and more, e.g. float16's 6e4 widened): the reference's sum_j A_ij dA_ij is exact for
+              a one-hot row, dctx_i . ctx_i is off by its rounding, times |k| in dq. Flash attention
+              takes the same risk; float64 is exact (tests/test_ops_float16.py says where it was seen).
     dS_ij = A_ij (dctx_i . v_j + gA_ij - delta_i)          recomputed where used
     dq_i = s sum_j dS_ij k_j                              attention_backward_dq (a block per queries)
     dk_j = s sum_i dS_ij q_i,  dv_j = sum_i A_ij dctx_i   attention_backward_dkdv (a block per keys)

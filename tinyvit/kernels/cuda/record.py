@@ -162,7 +162,9 @@ def machine() -> dict:
 
 def commit(repository: Path = REPOSITORY) -> str:
     """The checked-out git commit, with "-dirty" when tracked files have changes; "unknown" outside
-    a git checkout."""
+    a git checkout; TINYVIT_COMMIT when set (a copy of the tree whose .git is not its own)."""
+    if os.environ.get("TINYVIT_COMMIT"):
+        return os.environ["TINYVIT_COMMIT"]
     head = _command_output(["git", "rev-parse", "HEAD"], cwd=repository)
     if not head:
         return "unknown"
