@@ -36,7 +36,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -48,8 +48,8 @@ from . import budget
 from .components import load_data, make_optimizer, make_transforms, resident, resize_images, run_dir
 from .objectives import Classification
 from .recipes import TrainConfig
-from .run_folder import (RunFolderLock, check_resume, check_run_folder, dataset_metadata, last_good, log_interval,
-                         read_log, save_training_checkpoint, unflatten_optimizer)
+from .run_folder import (RunFolderLock, append_row, check_resume, check_run_folder, dataset_metadata, last_good,
+                         log_interval, read_log, save_training_checkpoint, unflatten_optimizer, write_config)
 from .signals import Stopped, ctrl_c_after_block, stop_signals_interrupt
 
 
@@ -151,7 +151,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
         for name in ("metrics.jsonl", "steps.jsonl", "best.safetensors"):
             (out / name).unlink(missing_ok=True)
     if world.writer:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        write_config(out, cfg)
     log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
         f"({len(dataset.train_images)} train / {len(dataset.test_images)} test images), "
         f"{_length(plan, steps_per_epoch)} on {cfg.device}; writing to {out}")
@@ -189,8 +189,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 if ema is not None and epoch == plan.epochs:        # what the average gained, once, at the end
                     row["test_acc_without_ema"] = objective.evaluate(forward, test_loader)["acc"]
                 if world.writer:
-                    with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see read_log
-                        f.write(json.dumps(row) + "\n")
+                    append_row(out / "metrics.jsonl", row)          # before the epoch counts as done: see read_log
                 history.append(row)
                 # best = highest test accuracy, ties broken by the lower test loss. Recorded once the file is
                 # in place, and before the epoch counts as done: stopped in between, the checkpoint holds the

@@ -7,6 +7,12 @@
 
 and the checks that a run may start there (check_run_folder) and that a resume continues the same
 run (check_resume).
+
+A run writes nothing outside its folder: a folder whose files (RUN_FILES) are symbolic links is
+refused before anything is written, and every write goes through tinyvit.io.arrays, which never
+follows a link (a new file is created O_EXCL | O_NOFOLLOW and renamed into place; an append or the
+lock opens with O_NOFOLLOW), so a link that appears while the run is under way is not followed
+either.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import backend, io
+from ..io.arrays import _NOFOLLOW, _link_error, append_text, write_bytes_atomically
 
 try:
     import fcntl
@@ -49,7 +56,10 @@ class RunFolderLock:
         self.made_folder = not self.folder.exists()
         while self._fd is None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o666)   # never through a link
+            except OSError as exc:
+                raise _link_error(self.path, exc) from None
             try:
                 if fcntl is not None:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,14 +87,26 @@ class RunFolderLock:
 def _is_open_file(fd: int, path: Path) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
     except FileNotFoundError:
         return False
 
 
+# Every file a run writes in its folder (loop.py; curves.png by tinyvit.evaluation.plots).
+RUN_FILES = (RunFolderLock.NAME, "config.json", "metrics.jsonl", "steps.jsonl", "curves.png", "latest.safetensors",
+             "best.safetensors")
+
+
 def check_run_folder(cfg, latest: Path) -> None:
-    """A new run needs a folder without a checkpoint; a resume needs one (reads nothing but whether
-    ``latest`` exists: refused, a run changes nothing)."""
+    """A new run needs a folder without a checkpoint; a resume needs one; and none of the files a run
+    writes there may be a symbolic link (reads nothing but whether they exist: refused, a run
+    changes nothing)."""
+    for name in RUN_FILES:
+        path = latest.parent / name
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); a run writes only files of its "
+                             "own folder and never through a link: remove the link (the run's files are made "
+                             "anew), or give the run another --out DIR")
     if latest.exists() and not cfg.resume:
         raise FileExistsError(f"{latest.parent} already holds a run ({latest.name}); pass --resume to continue it, "
                               "or --out DIR for a new run")
@@ -202,8 +224,18 @@ def read_log(path: Path, held=None) -> list:
                              "again") from None
     kept = rows if held is None else [row for row in rows if held(row)]
     if len(kept) < len(rows):
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        write_bytes_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())
     return kept
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line onto a log of the run folder (never through a link: tinyvit.io.arrays.append_text)."""
+    append_text(path, json.dumps(row) + "\n")
+
+
+def write_config(folder: Path, cfg) -> None:
+    """The run's settings as config.json, replaced atomically (a link there is replaced, not followed)."""
+    write_bytes_atomically(folder / "config.json", json.dumps(asdict(cfg), indent=2).encode())
 
 
 def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict) -> None:
@@ -212,10 +244,9 @@ def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict
     seen = now["seen"] - before["seen"]
     if seen <= 0 or path is None:
         return
-    row = {"step": sched.step_count, "epoch": round(epoch, 4), "train_loss": (now["loss"] - before["loss"]) / seen,
-           "train_acc": (now["correct"] - before["correct"]) / seen, "lr": float(sched.last_lr)}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(path, {"step": sched.step_count, "epoch": round(epoch, 4),
+                      "train_loss": (now["loss"] - before["loss"]) / seen,
+                      "train_acc": (now["correct"] - before["correct"]) / seen, "lr": float(sched.last_lr)})
 
 
 def last_good(latest: Path) -> str:
