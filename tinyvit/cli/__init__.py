@@ -137,6 +137,10 @@ def main(argv=None) -> int:
         return 0
     except (DataError, OSError, ValueError, distributed.DistributedError) as exc:   # OSError: a missing file, ...
         return _failed(1, f"tinyvit {args.command}: {ranks}{exc}")
+    except MemoryError as exc:           # NumPy's names the array: "Unable to allocate 1.7 EiB for an array with shape"
+        what = str(exc) or "an allocation failed"
+        return _failed(1, f"tinyvit {args.command}: {ranks}out of memory: {what}; ask for less (a smaller model or "
+                          "image size, a smaller --batch-size or --eval-batch-size, fewer images) or free some memory")
     except Exception as exc:             # a bug: its traceback; among several ranks, then the others stopped
         if not ranks:
             raise
