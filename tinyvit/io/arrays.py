@@ -203,6 +203,37 @@ def leftover_temporary_files(directory) -> list[str]:
                   if TEMPORARY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False))
 
 
+# Metadata JSON may nest this deep (ours nests 5 levels). Python's parser recurses once per level, so
+# 100,000 levels are a RecursionError; deeper than this is refused before parsing.
+MAX_JSON_DEPTH = 64
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')        # a string (skipped), or a bracket
+
+
+def check_json_depth(text: str, what: str) -> None:
+    """Raise ValueError naming ``what`` when ``text`` nests JSON arrays or objects more than
+    MAX_JSON_DEPTH levels deep (brackets inside strings do not count)."""
+    depth = 0
+    for match in _JSON_NESTING.finditer(text):
+        bracket = match.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"{what} is JSON nested more than {MAX_JSON_DEPTH} levels deep, which no file tinyvit "
+                                 "writes has: the file is damaged or crafted")
+        elif bracket in "]}":
+            depth -= 1
+
+
+def parse_json(text: str, what: str):
+    """``json.loads(text)`` for metadata: a ValueError naming ``what`` for text that is not JSON or is
+    nested too deep (check_json_depth)."""
+    check_json_depth(text, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc}): the file is damaged or was edited") from None
+
+
 def check_file(path: str, what: str = "file") -> None:
     """Clear errors for a path that cannot be read as a file: missing, a directory, not a regular
     file (reading a named pipe waits for a writer forever, /dev/zero never ends), or unreadable

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import time
@@ -50,6 +49,7 @@ from .objectives import Classification
 from .recipes import TrainConfig
 from .run_folder import (RunFolderLock, append_row, check_resume, check_run_folder, dataset_metadata, last_good,
                          log_interval, read_log, save_training_checkpoint, unflatten_optimizer, write_config)
+from .saved_state import check_state_fits, damaged, read_training_state, saved_plan
 from .signals import Stopped, ctrl_c_after_block, stop_signals_interrupt
 
 
@@ -121,7 +121,11 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                              device=cfg.device, transform=eval_tf, shard=world.shard)
     steps_per_epoch = len(loader)
     if resume_from:                          # the plan the run started with (its budget was measured then)
-        plan = budget.Plan(**json.loads(resume_from[2]["training"])["progress"]["plan"])
+        saved = read_training_state(latest, resume_from[2], ema=ema is not None)        # every field checked
+        plan, note = saved_plan(saved, cfg, steps_per_epoch)
+        check_state_fits(saved, plan, steps_per_epoch, latest)
+        if note:
+            log(note)
     else:
         plan = _plan_run(cfg, steps_per_epoch, started, model, objective, loader,
                          test_loader, log)
@@ -134,18 +138,23 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     if cfg.resume:
         model_ckpt, extra, meta = resume_from
         model.load_state_dict(model_ckpt.state_dict())
-        saved = json.loads(meta["training"])
-        opt.load_state_dict(unflatten_optimizer(extra, saved["optimizer"]))
+        try:
+            opt.load_state_dict(unflatten_optimizer(extra, saved["optimizer"]))
+        except ValueError as exc:                      # its own check: the groups and moments fit the model
+            raise damaged(latest, str(exc).removeprefix("load_state_dict: ")) from None
         sched.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["loader"])
         if ema is not None:
-            ema.load_state_dict({"step": saved["ema_step"], **extra})
+            try:
+                ema.load_state_dict({"step": saved["ema_step"], **extra})
+            except ValueError as exc:
+                raise damaged(latest, str(exc)) from None
         backend.rng().bit_generator.state = saved["rng"]
         distributed.restart_rank_streams(world, train_tf, cfg.seed, sched.step_count)   # only rank 0's were saved
         state = {**state, **saved["progress"]}
         if world.writer:                  # read_log also drops from the files the rows the checkpoint missed
-            history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"])
-            read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count)
+            history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"], METRICS_KEYS)
+            read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count, STEPS_KEYS)
         log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
     if not cfg.resume and world.writer:   # what a run that crashed before its first checkpoint left
         for name in ("metrics.jsonl", "steps.jsonl", "best.safetensors"):
@@ -207,7 +216,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 checkpoint()
                 last_epoch = epoch == plan.epochs or epoch == stop_after_epoch
                 if world.writer and (last_epoch or time.perf_counter() - drawn_at >= CURVES_EVERY_SECONDS):  # ~0.7 s
-                    training_curves(history, read_log(out / "steps.jsonl"), out / "curves.png")
+                    training_curves(history, read_log(out / "steps.jsonl", keys=STEPS_KEYS), out / "curves.png")
                     drawn_at = time.perf_counter()
                 log(f"epoch {epoch}/{plan.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
                     f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
@@ -381,6 +390,10 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
     return {"epoch": epoch, "train_loss": t["loss"] / max(t["seen"], 1), "train_acc": t["correct"] / max(t["seen"], 1),
             "lr": float(sched.last_lr), "seconds": t["seconds"]}
 
+
+# What the rows of metrics.jsonl and steps.jsonl must hold (a resume reads them back; the curves plot them).
+METRICS_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "seconds")
+STEPS_KEYS = ("step", "epoch", "train_loss", "train_acc", "lr")
 
 # The running sums are read back (and a point of the curves written) every this many steps.
 CHECK_EVERY = 20

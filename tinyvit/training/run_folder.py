@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import backend, io
-from ..io.arrays import _NOFOLLOW, _link_error, append_text, write_bytes_atomically
+from ..io.arrays import _NOFOLLOW, _link_error, append_text, check_json_depth, write_bytes_atomically
 
 try:
     import fcntl
@@ -166,18 +166,12 @@ RESUME_MAY_CHANGE = ("device", "precision", "data_dir", "eval_batch_size", "lr",
 
 def check_resume(cfg, latest: Path, log=print) -> None:
     """Refuse to resume the run in ``latest`` with settings (resolved, recipe values filled in) that
-    change what the run is, naming them; log the allowed changes. Reads the checkpoint's header only."""
+    change what the run is, naming them, or from a damaged training state (saved_state.py); log the
+    allowed changes. Reads the checkpoint's header only."""
     from ..io.arrays import read_header
+    from .saved_state import read_training_state
     _, metadata = read_header(latest)
-    if "training" not in metadata:
-        raise ValueError(f"--resume: {latest} holds a model but no training state; fine-tune from it with "
-                         "`tinyvit finetune`, or start a new run with --out DIR")
-    try:
-        saved = json.loads(metadata["training"])["config"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"--resume: the training state in {latest} is damaged (not JSON with a 'config' entry); "
-                         "fine-tune from the run's best.safetensors with `tinyvit finetune`, or start a new run "
-                         "with --out DIR") from None
+    saved = read_training_state(latest, metadata, ema=bool(cfg.ema))["config"]      # every field checked
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
     for name in ("out", "resume", "from_recipe"):                          # which run, not what it is
         del now[name]
@@ -207,10 +201,10 @@ def _json_default(value):
     raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's metadata")
 
 
-def read_log(path: Path, held=None) -> list:
-    """The rows of a JSON-lines log (metrics.jsonl, steps.jsonl). With ``held``, only the rows the
-    checkpoint holds: a row written just before an interruption that the checkpoint missed is
-    dropped from the file (its epoch or steps are done again)."""
+def read_log(path: Path, held=None, keys=()) -> list:
+    """The rows of a JSON-lines log (metrics.jsonl, steps.jsonl), each an object holding numbers under
+    ``keys``. With ``held``, only the rows the checkpoint holds: a row written just before an
+    interruption that the checkpoint missed is dropped from the file (its epoch or steps are done again)."""
     if not path.exists():                               # interrupted in the first epoch
         return []
     rows = []
@@ -218,10 +212,17 @@ def read_log(path: Path, held=None) -> list:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            check_json_depth(line, "the line")
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}, line {number}: not valid JSON ({exc}); delete that line and resume "
                              "again") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {number}: {exc}; delete that line and resume again") from None
+        if not isinstance(row, dict) or any(type(row.get(key)) not in (int, float) for key in keys):
+            raise ValueError(f"{path}, line {number}: not a row tinyvit writes (it needs the numbers "
+                             f"{', '.join(keys)}); delete that line and resume again")
+        rows.append(row)
     kept = rows if held is None else [row for row in rows if held(row)]
     if len(kept) < len(rows):
         write_bytes_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())
