@@ -124,7 +124,9 @@ def cmd_train(args) -> int:
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
     from ..training import FINETUNE_RECIPE, load_data, prepare_finetune
+    positive(args, "image_size")
     cfg = _train_config(args, recipe=FINETUNE_RECIPE)
+    cfg = replace(cfg, finetune_from=str(Path(args.checkpoint).resolve()))   # a resume checks it is the same
     if cfg.out is None:
         cfg = replace(cfg, out=str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}"))
     if cfg.model:

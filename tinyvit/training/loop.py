@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import backend, distributed, io, kernels, optim
 from ..data import DataLoader
+from ..evaluation.inference import check_not_empty
 from ..evaluation.plots import training_curves
 from ..io.arrays import leftover_temporary_files
 from . import budget
@@ -95,6 +96,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     if cfg.train_limit or cfg.test_limit:
         dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
+    check_not_empty(dataset)
     backend.manual_seed(cfg.seed)
     resume_from = io.load_checkpoint(latest) if cfg.resume else None
     if model is None:           # resuming: the checkpoint's own model (a fine-tuned one is no preset)
@@ -167,9 +169,14 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     if world.size > 1:
         log(distributed.describe(world, cfg))
 
-    def checkpoint():                                    # rank 0's: the weights are the same on every rank
+    def checkpoint() -> bool:                            # rank 0's: the weights are the same on every rank
+        """Save latest.safetensors; False, leaving the file as it was, when the weights are not all
+        finite (a Ctrl-C may come up to CHECK_EVERY steps after the loss went NaN, before its check)."""
+        if not _all_finite(model, opt):
+            return False
         if world.writer:
             save_training_checkpoint(latest, model, opt, sched, loader, cfg, state, dataset, ema)
+        return True
 
     drawn_at = -math.inf                                 # curves.png: after the first epoch, the last, every minute
 
@@ -213,7 +220,9 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                                                            steps_per_epoch, log))       # rank 0's pace decides
                     state["plan"] = plan.as_dict()
                 state.update(epoch=epoch, partial=None, trained=None)
-                checkpoint()
+                if not checkpoint():
+                    raise TrainingDiverged(f"the weights are not finite any more after epoch {epoch}; stopping. "
+                                           f"{last_good(latest)}")
                 last_epoch = epoch == plan.epochs or epoch == stop_after_epoch
                 if world.writer and (last_epoch or time.perf_counter() - drawn_at >= CURVES_EVERY_SECONDS):  # ~0.7 s
                     training_curves(history, read_log(out / "steps.jsonl", keys=STEPS_KEYS), out / "curves.png")
@@ -225,9 +234,12 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
         except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
-            checkpoint()
             why = f"stopped by {stop}" if isinstance(stop, Stopped) else "interrupted"
-            log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
+            if checkpoint():
+                log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
+            else:
+                log(f"\n{why}: the weights are not finite any more (the loss diverged after its last check), so the "
+                    f"checkpoint was not saved. {last_good(latest)}")
             raise
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
@@ -310,6 +322,13 @@ def _gradients(model, forward, objective, cfg, x, y) -> tuple:
     if cfg.grad_clip:                               # clipping by the norm of that, the global batch's
         optim.clip_grad_norm(model.parameters(), cfg.grad_clip)
     return loss, correct
+
+
+def _all_finite(model, opt) -> bool:
+    """Whether every weight and optimizer moment is finite: a checkpoint of anything else resumes into NaN."""
+    arrays = [p.data for p in model.parameters()]
+    arrays += [v for entry in opt.state.values() for v in entry.values() if getattr(v, "ndim", 0)]
+    return all(bool(backend.get_array_module(a).isfinite(a).all()) for a in arrays)
 
 
 def _silent(*args, **kwargs) -> None:

@@ -98,6 +98,7 @@ class TrainConfig:
     dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
     time_budget: float | None = None                   # minutes: the run's length is measured to fit (budget.py)
     from_recipe: list = field(default_factory=list)    # the settings a recipe gave (resolved() records them)
+    finetune_from: str | None = None                   # the checkpoint `tinyvit finetune` started from (its path)
 
     def __post_init__(self):
         self.validate()                                # every value is checked where it enters: here
@@ -162,6 +163,9 @@ class TrainConfig:
         for name in ("erasing", "drop_path", "label_smoothing", "momentum", "ema"):
             if not 0 <= finite.get(name, 0) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
+        if finite.get("min_lr", 0) > finite.get("lr", math.inf):    # the cosine "decay" would raise the rate
+            problems.append(f"--min-lr {finite['min_lr']} is above --lr {finite['lr']}: the schedule decays from "
+                            "--lr to --min-lr; give a --min-lr <= --lr")
         if self.precision not in backend.PRECISIONS:
             extra = (" (bf16 is not supported yet: CuPy has no bfloat16 dtype; use tf32 on a GPU)"
                      if self.precision == "bf16" else "")

@@ -172,8 +172,9 @@ def check_resume(cfg, latest: Path, log=print) -> None:
     from .saved_state import read_training_state
     _, metadata = read_header(latest)
     saved = read_training_state(latest, metadata, ema=bool(cfg.ema))["config"]      # every field checked
+    _check_same_source(cfg, saved, latest)
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
-    for name in ("out", "resume", "from_recipe"):                          # which run, not what it is
+    for name in ("out", "resume", "from_recipe", "finetune_from"):         # which run, not what it is
         del now[name]
     # a setting older runs did not store: its default (ema: runs from before it existed had none)
     defaults = {**asdict(type(cfg)()), "ema": 0.0}
@@ -186,6 +187,22 @@ def check_resume(cfg, latest: Path, log=print) -> None:
                          "it started with (its config.json), or start a new run with --out DIR")
     for name in differ:
         log(f"resuming with {_setting(name)} {now[name]!r} (the run had {before[name]!r})")
+
+
+def _check_same_source(cfg, saved: dict, latest: Path) -> None:
+    """A fine-tuning run resumes with the checkpoint it fine-tunes (`tinyvit finetune CKPT --resume`), a
+    run from scratch with `tinyvit train --resume`: with another checkpoint, the run would silently
+    go on from its own. A run from before tinyvit recorded it (no "finetune_from") is not checked."""
+    if "finetune_from" not in saved or saved["finetune_from"] == cfg.finetune_from:
+        return
+    was, now, folder = saved["finetune_from"], cfg.finetune_from, latest.parent
+    if was is None:
+        raise ValueError(f"--resume: the run in {folder} was trained from scratch, not fine-tuned from {now}: "
+                         f"resume it with `tinyvit train --resume --out {folder}`, or fine-tune in a new run with "
+                         "--out DIR")
+    also = f", or fine-tune {now} in a new run with --out DIR" if now else ", or start a new run with --out DIR"
+    raise ValueError(f"--resume: the run in {folder} fine-tunes {was}{f', not {now}' if now else ''}: resume it "
+                     f"with `tinyvit finetune {was} --resume --out {folder}`{also}")
 
 
 def _setting(name: str) -> str:
@@ -251,8 +268,26 @@ def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict
 
 
 def last_good(latest: Path) -> str:
-    """What a diverged run leaves behind, and how to go on from it (a resume may lower --lr or clip)."""
-    if latest.exists():
+    """What a diverged run leaves behind, and how to go on from it (a resume may lower --lr or clip):
+    latest.safetensors when its weights are finite (it is never saved otherwise, but an older
+    tinyvit's Ctrl-C could), else best.safetensors when its are."""
+    if not latest.exists():
+        return "No checkpoint was saved yet: start again with a lower --lr (or --grad-clip 1.0)"
+    if _finite_file(latest):
         return (f"The last good checkpoint is kept at {latest}: continue from it with --resume and a lower --lr "
                 "(or --grad-clip 1.0)")
-    return "No checkpoint was saved yet: start again with a lower --lr (or --grad-clip 1.0)"
+    best = latest.parent / "best.safetensors"
+    if best.exists() and _finite_file(best):
+        return (f"{latest} holds weights that are not finite either; {best} is good: fine-tune from it "
+                f"(`tinyvit finetune {best}`), or start again with a lower --lr and --out DIR")
+    return f"{latest} holds weights that are not finite either: start again with a lower --lr and --out DIR"
+
+
+def _finite_file(path: Path) -> bool:
+    """Whether a checkpoint's floating-point arrays are all finite (False for one that cannot be read)."""
+    import numpy as np
+    try:
+        arrays, _ = io.load_arrays(path)
+    except (OSError, ValueError):
+        return False
+    return all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f")
