@@ -181,3 +181,164 @@ def test_a_diverged_resume_of_a_nan_checkpoint_names_the_good_one(tmp_path, caps
     line = one_line(err)
     assert code == 1 and "last good checkpoint is kept" not in line
     assert f"{latest} holds weights that are not finite" in line and str(out / "best.safetensors") in line
+
+
+def test_a_diverging_run_is_one_line_without_numpy_warnings(tmp_path, capsys, data_toml):
+    code, _, err = cli(capsys, *train_args(data_toml, tmp_path / "run", "--lr", "1e308"))
+    line = one_line(err)                                     # no "RuntimeWarning: overflow" lines before it
+    assert code == 1 and "the loss became nan" in line and "lower --lr" in line
+
+
+# ---------------------------------------------------------------- the table (items 7 and 8)
+
+
+def gpu_usable() -> bool:
+    """Whether CuPy reaches a GPU here (asked of CuPy itself: tinyvit's backend is left as it is)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def snapshot(root) -> dict:
+    """{path: (bytes, mtime, mode)} of every file under ``root``, links and hidden files included
+    (a link's target read through it): equal snapshots mean nothing was written, made or removed."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(root))] = ("link", str(p.readlink()))
+        elif p.is_file():
+            out[str(p.relative_to(root))] = (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One folder holding everything the table points at: a finished run (run/), --config files, a
+    file outside any run, a run folder with a link to it, a damaged run, crafted checkpoints, and
+    data folders that are bombs (a CIFAR pickle of nested lists, a Fashion-MNIST gzip bomb)."""
+    from test_data_bombs import fashion_folder, gzip_bomb, nested
+    from test_data_cifar import cifar_batch, py2_pickle, write_cifar10_folder
+
+    from tinyvit.cli import main
+    root = tmp_path_factory.mktemp("world")
+    (root / "data.toml").write_text(DATA)
+    assert main(["train", "--dataset", "synthetic", "--config", str(root / "data.toml"), *TINY, "--epochs", "1",
+                 "--batch-size", "8", "--out", str(root / "run")]) == 0
+    for name, text in {"ten.toml": 'lr = "high"\n', "model-args.toml": "model_args = 3\n",
+                       "internal.toml": "from_recipe = []\n", "seed.toml": "seed = -1\n",
+                       "no-test.toml": DATA.replace("test_size = 8", "test_size = 0")}.items():
+        (root / name).write_text(text + (DATA if "[dataset]" not in text else ""))
+    (root / "outside.txt").write_text("not the run's\n")
+    shutil.copytree(root / "run", root / "linked")
+    (root / "linked" / "metrics.jsonl").unlink()
+    (root / "linked" / "metrics.jsonl").symlink_to(root / "outside.txt")
+    shutil.copytree(root / "run", root / "damaged")
+    arrays, metadata = io.load_arrays(root / "damaged" / "latest.safetensors")
+    state = json.loads(metadata["training"])
+    state["progress"]["epoch"] = "1"
+    io.save_arrays(root / "damaged" / "latest.safetensors", arrays, {**metadata, "training": json.dumps(state)})
+    tv.save(tiny_vit(), root / "deep.safetensors", metadata={"dataset": "[" * 100_000 + "]" * 100_000})
+    from PIL import Image
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "img.png")
+    write_cifar10_folder(root / "cifar-bomb" / "cifar-10-batches-py", np.random.default_rng(0), n=4)
+    batch, _, _ = cifar_batch(np.random.default_rng(1), 4)
+    batch[b"labels"] = nested(10, 10)
+    (root / "cifar-bomb" / "cifar-10-batches-py" / "data_batch_1").write_bytes(py2_pickle(batch))
+    (root / "gzip-bomb").mkdir()
+    gzip_bomb(fashion_folder(root / "gzip-bomb") / "train-images-idx3-ubyte.gz", (5_000_000, 28, 28), 4 << 30)
+    return root
+
+
+RUN = ["train", "--dataset", "synthetic", "--config", "data.toml", *TINY, "--epochs", "1", "--batch-size", "8"]
+NEW = [*RUN, "--out", "new"]
+CUDA = pytest.mark.skipif(gpu_usable(), reason="a usable GPU here: --device cuda would run")
+
+
+@pytest.mark.parametrize("argv, status, words, capped", [
+    # budgets, seeds and sizes: the flag, its limit
+    ([*NEW, "--time-budget", "1e308"], 2, ["--time-budget", "at most 30 days (43200 minutes)"], False),
+    ([*NEW, "--time-budget", "1e30"], 2, ["--time-budget", "at most 30 days"], False),
+    ([*NEW, "--seed", "-1"], 2, ["--seed must be a whole number >= 0, got -1"], False),
+    ([*NEW, "--epochs", "1000000000000"], 2, ["--epochs must be at most 100000"], False),
+    ([*NEW, "--warmup-epochs", "1e308"], 2, ["--warmup-epochs must be at most 100000"], False),
+    ([*NEW, "--crop-padding", "-1"], 2, ["--crop-padding must be >= 0"], False),
+    ([*NEW, "--crop-padding", "100000"], 1, ["--crop-padding 100000", "give at most 8"], True),
+    ([*NEW, "--randaug", "100000,9"], 2, ["--randaug", "0 <= N <= 15"], False),
+    ([*NEW, "--min-lr", "1", "--lr", "0.1"], 2, ["--min-lr 1.0 is above --lr 0.1"], False),
+    ([*NEW, "--model-arg", "depth=100000000"], 1, ["6e+10 parameters", "memory", "--model-arg"], True),
+    ([*NEW, "--model-arg", "image_size=1000000000"], 1, ["parameters", "memory", "--model-arg"], True),
+    ([*NEW, "--model-arg", "qkv_bias=maybe"], 1, ["qkv_bias must be true or false"], False),
+    (["finetune", "run/best.safetensors", "--dataset", "synthetic", "--config", "data.toml", "--epochs", "1",
+      "--out", "new", "--image-size", "0"], 2, ["--image-size must be >= 1"], False),
+    (["finetune", "run/best.safetensors", "--dataset", "synthetic", "--config", "data.toml", "--epochs", "1",
+      "--out", "new", "--image-size", "100000"], 1, ["parameters", "memory"], True),
+    (["pretrain", "--dataset", "synthetic", "--config", "data.toml", *TINY, "--epochs", "1", "--out", "new",
+      "--mask-rate", "2"], 2, ["--mask-rate must be in (0, 1], got 2.0"], False),
+    (["fewshot", "run/best.safetensors", "--dataset", "synthetic", "--seed", "-1"], 2, ["--seed", ">= 0"], False),
+    (["fewshot", "run/best.safetensors", "--dataset", "synthetic", "--seeds", "100000000000"], 2,
+     ["--seeds must be at most 1000"], True),
+    # --config files and where a run goes
+    ([*NEW[:4], "ten.toml", *NEW[5:]], 2, ["--lr", "`lr = ...` in a --config file", "a number", "'high'"], False),
+    ([*NEW[:4], "model-args.toml", *NEW[5:]], 2, ["model_args", "[model] table"], False),
+    ([*NEW[:4], "internal.toml", *NEW[5:]], 2, ["from_recipe", "not a setting"], False),
+    ([*NEW[:4], "seed.toml", *NEW[5:]], 2, ["--seed must be a whole number >= 0"], False),
+    ([*NEW[:4], "no-test.toml", *NEW[5:]], 1, ["test_size must be a whole number >= 1, got 0", "[dataset]"], False),
+    ([*NEW, "--config", "/dev/zero"], 2, ["/dev/zero is not a regular file"], False),
+    ([*RUN, "--out", "data.toml"], 1, ["--out data.toml is a file, not a folder"], False),
+    ([*RUN, "--out", "data.toml/run"], 1, ["--out: cannot make the run folder", "Not a directory"], False),
+    # --device cuda where no GPU can be used, in every command that takes it
+    pytest.param([*NEW, "--device", "cuda"], 1, ["'cuda'", "--device cpu"], False, marks=CUDA),
+    pytest.param([*NEW, "--device", "CUDA:3"], 1, ["cuda", "--device cpu"], False, marks=CUDA),
+    pytest.param(["eval", "run/best.safetensors", "--dataset", "synthetic", "--device", "cuda"], 1,
+                 ["'cuda'", "--device cpu"], False, marks=CUDA),
+    pytest.param(["predict", "run/best.safetensors", "img.png", "--device", "cuda"], 1, ["'cuda'", "--device cpu"],
+                 False, marks=CUDA),
+    pytest.param(["fewshot", "run/best.safetensors", "--dataset", "synthetic", "--device", "cuda"], 1,
+                 ["'cuda'", "--device cpu"], False, marks=CUDA),
+    pytest.param(["inspect", "run/best.safetensors", "--device", "cuda", "--out", "maps"], 1,
+                 ["'cuda'", "--device cpu"], False, marks=CUDA),
+    pytest.param(["finetune", "run/best.safetensors", "--dataset", "synthetic", "--config", "data.toml",
+                  "--out", "new", "--device", "cuda"], 1, ["'cuda'", "--device cpu"], False, marks=CUDA),
+    # run folders: links, damage, another checkpoint, crafted metadata
+    ([*RUN, "--out", "linked", "--resume"], 1, ["metrics.jsonl is a symbolic link", "--out DIR"], False),
+    ([*RUN, "--out", "linked"], 1, ["metrics.jsonl is a symbolic link"], False),
+    ([*RUN, "--out", "damaged", "--resume"], 1, ["progress.epoch is '1', not a whole number", "--out DIR"], False),
+    (["finetune", "img.png", "--dataset", "synthetic", "--config", "data.toml", "--epochs", "1", "--out", "run",
+      "--resume"], 1, ["trained from scratch", "tinyvit train --resume"], False),
+    (["predict", "deep.safetensors", "img.png"], 1, ["'dataset' metadata", "nested more than 64"], False),
+    # small files that ask for gigabytes
+    (["train", "--dataset", "cifar10", "--data-dir", "cifar-bomb", *TINY, "--epochs", "1", "--out", "new"], 1,
+     ["data_batch_1", "'labels' holds a list", "download"], True),
+    (["train", "--dataset", "fashion-mnist", "--data-dir", "gzip-bomb", *TINY, "--epochs", "1", "--out", "new"], 1,
+     ["train-images-idx3-ubyte.gz", "declares shape (5000000, 28, 28)"], True),
+], ids=["budget-1e308", "budget-1e30", "seed-negative", "epochs-1e12", "warmup-1e308", "crop-negative", "crop-huge",
+        "randaug-huge", "min-lr-above-lr", "depth-1e8", "image-size-1e9", "qkv-bias-maybe", "finetune-image-size-0",
+        "finetune-image-size-huge", "mask-rate-2", "fewshot-seed-negative", "fewshot-seeds-huge", "toml-lr-text",
+        "toml-model-args", "toml-internal", "toml-seed-negative", "toml-empty-test-split", "config-dev-zero",
+        "out-is-a-file", "out-under-a-file", "device-cuda", "device-cuda-3", "eval-cuda", "predict-cuda",
+        "fewshot-cuda", "inspect-cuda", "finetune-cuda", "link-resume", "link-new", "damaged-state",
+        "finetune-resume-scratch-run", "deep-json", "cifar-nested-lists", "gzip-bomb"])
+def test_hostile_input_is_one_line_and_changes_no_file(world, capsys, monkeypatch, argv, status, words, capped):
+    """Each case: the exit status, one line naming the flag or file and the fix (after argparse's usage
+    for what argparse reports itself), no traceback, and every file under the folder that holds the
+    run, its configs, checkpoints, data and a file outside any run, as it was (bytes, mtime, mode).
+    The cases marked ``capped`` run in a process of their own under a 1 GiB address-space limit,
+    which they must stay far below."""
+    monkeypatch.chdir(world)
+    before = snapshot(world)
+    if capped:
+        from test_data_bombs import PEAK_MIB, capped as run_capped, cli_code
+        code, _, err, peak, seconds = run_capped(cli_code(*argv), world)
+        assert 0 < peak < PEAK_MIB and seconds < 60, f"{peak} MiB, {seconds:.0f} s"
+    else:
+        code, _, err = cli(capsys, *argv)
+    assert code == status, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    line = lines[-1] if lines[0].startswith("usage:") else one_line(err)
+    assert line.startswith(f"tinyvit {argv[0]}: ")
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    assert snapshot(world) == before

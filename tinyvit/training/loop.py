@@ -79,6 +79,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
         log, progress = _silent, False
     notes = []
     cfg = distributed.check_run(cfg.resolved(notes), world)   # the same on every rank; this rank's device
+    backend.normalize_device(cfg.device)                   # a GPU that cannot be used: refused before anything
     for note in notes:                                     # e.g. a short run without the recipe's augmentation
         log(note)
     objective = distributed.across_ranks(objective or Classification(cfg.label_smoothing), world)  # evaluation too
@@ -183,7 +184,9 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     def averaged():                                      # the weights evaluated and kept as the best
         return ema.applied() if ema is not None else contextlib.nullcontext()
 
-    with backend.matmul_precision(cfg.precision):            # TF32 matmuls for the whole run, if asked
+    # TF32 matmuls for the whole run, if asked; NumPy's overflow warnings silenced: a loss that goes
+    # NaN or infinite stops the run with one line that says so (and they would come before it).
+    with backend.matmul_precision(cfg.precision), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         try:
             while state["epoch"] < plan.epochs:
                 epoch = state["epoch"] + 1

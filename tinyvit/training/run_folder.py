@@ -55,7 +55,11 @@ class RunFolderLock:
     def __enter__(self) -> RunFolderLock:
         self.made_folder = not self.folder.exists()
         while self._fd is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:               # a file on the way, no permission, a read-only disk, ...
+                raise OSError(f"--out: cannot make the run folder {self.folder} ({exc.strerror}); give --out a "
+                              "folder you can write") from None
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o666)   # never through a link
             except OSError as exc:
@@ -101,8 +105,11 @@ def check_run_folder(cfg, latest: Path) -> None:
     """A new run needs a folder without a checkpoint; a resume needs one; and none of the files a run
     writes there may be a symbolic link (reads nothing but whether they exist: refused, a run
     changes nothing)."""
+    folder = latest.parent
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {folder} is a file, not a folder: give --out a new folder or a run's")
     for name in RUN_FILES:
-        path = latest.parent / name
+        path = folder / name
         if path.is_symlink():
             raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); a run writes only files of its "
                              "own folder and never through a link: remove the link (the run's files are made "
