@@ -32,7 +32,7 @@ def cupy_module():
             _cupy = False
             _import_error[0] = exc
     if _cupy is False:
-        if not isinstance(_import_error[0], ImportError):       # CuPy is there, CUDA is not
+        if _import_error[0] is not None and not isinstance(_import_error[0], ImportError):   # CuPy there, CUDA not
             raise DeviceUnavailable(f"device 'cuda': CuPy is installed but finds no usable CUDA GPU "
                                     f"({_import_error[0]}); use --device cpu, or run where a GPU and its driver are")
         raise DeviceUnavailable(
