@@ -120,7 +120,8 @@ def test_cifar_labels_must_be_whole_numbers_of_its_classes(tmp_path, capsys, lab
     batch, _, _ = cifar_batch(np.random.default_rng(1), 4)
     batch[b"labels"] = labels
     (folder / "test_batch").write_bytes(py2_pickle(batch))
-    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY, "--out", tmp_path / "run")
+    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY,
+                       "--out", tmp_path / "run")
     line = one_line(err)
     assert code == 1 and "test_batch" in line
     for word in words:
@@ -139,7 +140,8 @@ def test_a_cifar_batch_holds_the_cifar_layout_only(tmp_path, capsys, change, wor
     batch, _, _ = cifar_batch(np.random.default_rng(1), 4)
     change(batch)
     (folder / "data_batch_2").write_bytes(py2_pickle(batch))
-    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY, "--out", tmp_path / "run")
+    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY,
+                       "--out", tmp_path / "run")
     line = one_line(err)
     assert code == 1 and "data_batch_2" in line
     for word in words:
@@ -153,7 +155,8 @@ def test_a_pickle_of_many_small_objects_is_refused_before_it_is_built(tmp_path, 
     write_cifar10_folder(folder, np.random.default_rng(0), n=4)
     # {'junk': [[], [], ...]}: PROTO 2, EMPTY_DICT, MARK, 'junk', EMPTY_LIST, MARK, ] x 3e6, APPENDS, SETITEMS, STOP
     (folder / "batches.meta").write_bytes(b"\x80\x02}(U\x04junk](" + b"]" * 3_000_000 + b"eu.")
-    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY, "--out", tmp_path / "run")
+    code, _, err = cli(capsys, "train", "--dataset", "cifar10", "--data-dir", tmp_path, *TINY,
+                       "--out", tmp_path / "run")
     line = one_line(err)
     assert code == 1 and "batches.meta" in line and "objects" in line
 

@@ -13,7 +13,6 @@ outside the run folder unchanged. Tiny models on tiny synthetic data.
 """
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np

@@ -47,7 +47,8 @@ def snapshot(folder) -> dict:
 # ---------------------------------------------------------------- folders of older versions
 
 
-@pytest.mark.parametrize("name, epoch_done", [("f9de1fb-epoch1", 1), ("f9de1fb-midepoch2", 1), ("0422621-midepoch2", 1)])
+@pytest.mark.parametrize("name, epoch_done", [("f9de1fb-epoch1", 1), ("f9de1fb-midepoch2", 1),
+                                              ("0422621-midepoch2", 1)])
 def test_a_run_folder_of_an_older_version_resumes(tmp_path, capsys, name, epoch_done):
     out = tmp_path / name
     shutil.copytree(FIXTURES / name, out)

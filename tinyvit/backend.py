@@ -85,8 +85,9 @@ def normalize_device(device) -> str:
     if not count:
         _no_gpu(RuntimeError("no CUDA GPU"))
     if index >= count:
-        raise DeviceUnavailable(f"device {device!r}: this machine has {count} CUDA GPU(s), "
-                                f"{'none' if not count else f'cuda:0 to cuda:{count - 1}'}; use one of them or --device cpu")
+        which = "none" if not count else f"cuda:0 to cuda:{count - 1}"
+        raise DeviceUnavailable(f"device {device!r}: this machine has {count} CUDA GPU(s), {which}; use one of them "
+                                "or --device cpu")
     return f"cuda:{index}"
 
 

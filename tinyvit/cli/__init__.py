@@ -184,7 +184,8 @@ def main(argv=None) -> int:
         # so that Python's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (DataError, OSError, ValueError, DeviceUnavailable, distributed.DistributedError) as exc:  # OSError: a missing file
+    except (DataError, OSError, ValueError, DeviceUnavailable,           # OSError: a missing file, a full disk
+            distributed.DistributedError) as exc:
         return _failed(1, f"tinyvit {args.command}: {ranks}{exc}")
     except MemoryError as exc:           # NumPy's names the array: "Unable to allocate 1.7 EiB for an array with shape"
         what = str(exc) or "an allocation failed"

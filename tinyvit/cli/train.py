@@ -59,7 +59,8 @@ def _duration_flag(text) -> float:
     try:
         return _minutes(text)
     except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--time-budget: ").removeprefix("--time-budget ")) from None
+        message = str(exc).removeprefix("--time-budget: ").removeprefix("--time-budget ")   # argparse names it
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _check_model(cfg) -> None:

@@ -54,8 +54,9 @@ def _integer_dtype(source, name, align=False, copy=False):
     """``numpy.dtype`` for the dtypes a CIFAR batch holds, integers (uint8 pixels, int labels), alone."""
     dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 4 else None
     if dtype is None or dtype.kind not in "ui":
-        raise UnsafePickleError(f"{source}: refusing a NumPy array of {dtype if dtype is not None else repr(name)[:40]}:"
-                                f" a CIFAR batch holds uint8 pixels and integer labels only; {NOT_GENUINE}")
+        found = dtype if dtype is not None else repr(name)[:40]
+        raise UnsafePickleError(f"{source}: refusing a NumPy array of {found}: a CIFAR batch holds uint8 pixels and "
+                                f"integer labels only; {NOT_GENUINE}")
     return dtype
 
 

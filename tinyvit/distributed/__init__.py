@@ -59,6 +59,7 @@ def rank_prefix() -> str:
     return f"rank {launched_rank()}: " if launched_size() > 1 else ""
 
 
-__all__ = ["AcrossRanks", "BUCKET_BYTES", "DistributedError", "OTHER_RANKS_WAIT_SECONDS", "GradientBuckets", "MPIWorld", "World",
+__all__ = ["AcrossRanks", "BUCKET_BYTES", "DistributedError", "OTHER_RANKS_WAIT_SECONDS", "GradientBuckets",
+           "MPIWorld", "World",
            "abort_if_running", "across_ranks", "average_gradients", "check_run", "describe", "launched_rank",
            "launched_size", "rank_prefix", "restart_rank_streams", "world"]

@@ -111,7 +111,8 @@ def numbered(spec):
 
 
 PROGRESS = obj({"epoch": whole(), "best_acc": number(-1, 1), "best_loss?": number(finite=False),
-                "partial": nullable(obj({"loss": number(), "correct": number(0), "seen": whole(), "seconds": number(0)})),
+                "partial": nullable(obj({"loss": number(), "correct": number(0), "seen": whole(),
+                                         "seconds": number(0)})),
                 "trained": nullable(obj({"epoch": whole(1), "train_loss": number(), "train_acc": number(0, 1),
                                          "lr": number(0), "seconds": number(0)})),
                 "plan?": obj({"total_steps": whole(1), "warmup_steps": whole(), "epochs": whole(1)})})
