@@ -59,7 +59,7 @@ def test_idx_errors(tmp_path):
     _bad(tmp_path, b"\x01\x00" + good[2:], "bad magic number")
     _bad(tmp_path, good[:2] + b"\x07" + good[3:], "unknown IDX dtype code 0x07")
     _bad(tmp_path, good[:-1], "truncated or corrupt")
-    _bad(tmp_path, good + b"\x00", "truncated or corrupt")
+    _bad(tmp_path, good + b"\x00", "more data than its header declares")
     _bad(tmp_path, good[:9], "cut short")
     _bad(tmp_path, good[:2], "too short")
     _bad(tmp_path, gzip.compress(good)[:-10], "gzip")

@@ -479,7 +479,7 @@ SMALL = dict(train_size=8, test_size=4, image_size=16, channels=3, num_classes=2
     (["--model-arg", "width=64"], None, 2, ["width", "dim"]),
     (["--model", "vit-tiny/4"], None, 2, ["vit-tiny/4", "vit-cifar/4", "vit-b/16"]),
     (["--config", "missing.toml"], None, 2, ["--config", "missing.toml"]),
-    ([], "batch-size = 'ten'", 2, ["batch_size", "int", "ten"]),
+    ([], "batch-size = 'ten'", 2, ["--batch-size", "batch_size", "whole number", "ten"]),
     ([], "epoch = 3", 2, ["unknown", "epoch"]),
     ([], "[optim]\nlr = 1", 2, ["unknown tables", "optim"]),
     ([], "epochs = 3 x", 2, ["--config", "not valid TOML"]),

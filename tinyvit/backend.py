@@ -14,6 +14,11 @@ _cupy = None                      # the cupy module once imported, False if it i
 _default_dtype = np.float32       # float32 by default; gradient checks switch to float64
 
 
+class DeviceUnavailable(RuntimeError):
+    """A device that cannot be used here: CuPy missing, no CUDA driver or GPU, no GPU of that number.
+    The message names the device asked for and the way out (tinyvit's CLI prints it as one line)."""
+
+
 def cupy_module():
     """Import CuPy on first use; raise a clear error naming the `gpu` extra when it is missing."""
     global _cupy
@@ -27,10 +32,13 @@ def cupy_module():
             _cupy = False
             _import_error[0] = exc
     if _cupy is False:
-        raise RuntimeError(
+        if _import_error[0] is not None and not isinstance(_import_error[0], ImportError):   # CuPy there, CUDA not
+            raise DeviceUnavailable(f"device 'cuda': CuPy is installed but finds no usable CUDA GPU "
+                                    f"({_import_error[0]}); use --device cpu, or run where a GPU and its driver are")
+        raise DeviceUnavailable(
             "device 'cuda' needs CuPy, which is not available "
             f"({_import_error[0]!r}). Install it with: pip install 'tinyvit[gpu]' "
-            "(or pip install cupy-cuda12x / cupy-cuda13x matching your CUDA driver)")
+            "(or pip install cupy-cuda12x / cupy-cuda13x matching your CUDA driver), or use --device cpu")
     return _cupy
 
 
@@ -59,16 +67,35 @@ def device_of(array) -> str:
 
 
 def normalize_device(device) -> str:
-    """'cpu', 'cuda' or 'cuda:N' -> 'cpu' or 'cuda:N'. Anything else is an error."""
+    """'cpu', 'cuda' or 'cuda:N' -> 'cpu' or 'cuda:N'. Anything else is a ValueError; a GPU that
+    cannot be used here (no CuPy, no driver or GPU, no GPU N) a DeviceUnavailable saying why."""
     device = str(device).lower()
     if device == "cpu":
         return "cpu"
-    if device == "cuda":
-        return f"cuda:{cupy_module().cuda.Device().id}"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        cupy_module()
-        return device
-    raise ValueError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    cp = cupy_module()
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+        index = cp.cuda.Device().id if device == "cuda" else int(device[5:])
+    except Exception as exc:           # CUDARuntimeError: no driver, a driver too old for this CuPy, ...
+        _no_gpu(exc)
+        raise DeviceUnavailable(f"device {device!r}: CuPy is installed but finds no usable CUDA GPU ({exc}); "
+                                "use --device cpu, or run where a GPU and its driver are") from None
+    if not count:
+        _no_gpu(RuntimeError("no CUDA GPU"))
+    if index >= count:
+        which = "none" if not count else f"cuda:0 to cuda:{count - 1}"
+        raise DeviceUnavailable(f"device {device!r}: this machine has {count} CUDA GPU(s), {which}; use one of them "
+                                "or --device cpu")
+    return f"cuda:{index}"
+
+
+def _no_gpu(exc) -> None:
+    """CuPy imported but cannot reach a GPU: treat it as absent from now on, so that seeding (and
+    anything else that asks cupy_module) leaves CUDA alone in this process."""
+    global _cupy
+    _cupy, _import_error[0] = False, exc
 
 
 def to_device(array, device):

@@ -6,8 +6,11 @@ parsers, and small ``cmd_*`` functions that call the library, so everything is r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -75,16 +78,27 @@ def read_toml(path) -> dict:
             import tomli as tomllib
         except ImportError:
             raise UsageError("--config needs Python >= 3.11 or `pip install tomli`") from None
+    from ..training.recipes import INTERNAL_FIELDS
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--config: {path} is a directory; give the path of a .toml file")
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"--config: no file at {path}")
+    if not path.is_file():                           # /dev/zero never ends, a FIFO waits for a writer
+        raise UsageError(f"--config: {path} is not a regular file (a pipe or device); give the path of a .toml file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config: {path} is {path.stat().st_size} bytes, more than a run description needs "
+                         f"(at most {MAX_CONFIG_BYTES}); give the path of a .toml file")
     try:
         data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
     out = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
+    for key in ("model_args", "dataset_args", *INTERNAL_FIELDS):   # tables, or what a run fills in itself
+        if key in out:
+            where = {"model_args": "; put model settings in a [model] table",
+                     "dataset_args": "; put dataset settings in a [dataset] table"}.get(key, "")
+            raise UsageError(f"--config {path}: `{key}` is not a setting of a run description{where}")
     # TOML cannot hold both `model = "..."` and a [model] table: the table's `name` gives the name.
     for table, args in (("model", "model_args"), ("dataset", "dataset_args")):
         if isinstance(data.get(table), dict):
@@ -97,6 +111,9 @@ def read_toml(path) -> dict:
         raise UsageError(f"--config {path}: unknown tables {unknown} (known: [model], [dataset])")
     return out
 
+
+# A --config file larger than this is no run description (a few hundred bytes are).
+MAX_CONFIG_BYTES = 1 << 20
 
 # One module per group of subcommands, in the order `tinyvit --help` lists them.
 COMMAND_GROUPS = ("models", "train", "pretrain", "inspect", "bench")
@@ -114,13 +131,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report(message: str) -> None:
+    """Print a one-line error to stderr. Under mpirun, a rank other than 0 first waits a moment
+    (distributed.OTHER_RANKS_WAIT_SECONDS): a bad flag or a missing dataset fails every rank alike,
+    and rank 0, reporting at once, ends the job (mpirun stops the others) before they repeat it;
+    a failure of that rank alone is reported after the wait, naming the rank."""
+    _after_rank_0()
+    print(message, file=sys.stderr, flush=True)
+
+
+def _after_rank_0() -> None:
+    from ..distributed import OTHER_RANKS_WAIT_SECONDS, launched_rank, launched_size
+    if launched_size() > 1 and launched_rank() != 0:
+        time.sleep(OTHER_RANKS_WAIT_SECONDS)
+
+
+def _parse(parser, argv):
+    """parser.parse_args(argv); on a rank other than 0 (mpirun) its output held back: --help once,
+    and a usage error, which rank 0 reports too, printed only after the wait (report)."""
+    from ..distributed import launched_rank, launched_size
+    if launched_size() <= 1 or launched_rank() == 0:
+        return parser.parse_args(argv)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            return parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code:
+            report(err.getvalue().rstrip())
+        raise
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
     from .. import distributed
+    from ..backend import DeviceUnavailable
     from ..data import DataError
     if getattr(args, "kernels", None) in ("on", "off", "all"):
         from ..kernels import use_kernels
@@ -135,11 +184,17 @@ def main(argv=None) -> int:
         # so that Python's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (DataError, OSError, ValueError, distributed.DistributedError) as exc:   # OSError: a missing file, ...
+    except (DataError, OSError, ValueError, DeviceUnavailable,           # OSError: a missing file, a full disk
+            distributed.DistributedError) as exc:
         return _failed(1, f"tinyvit {args.command}: {ranks}{exc}")
+    except MemoryError as exc:           # NumPy's names the array: "Unable to allocate 1.7 EiB for an array with shape"
+        what = str(exc) or "an allocation failed"
+        return _failed(1, f"tinyvit {args.command}: {ranks}out of memory: {what}; ask for less (a smaller model or "
+                          "image size, a smaller --batch-size or --eval-batch-size, fewer images) or free some memory")
     except Exception as exc:             # a bug: its traceback; among several ranks, then the others stopped
         if not ranks:
             raise
+        _after_rank_0()
         traceback.print_exc()
         return _failed(1, f"tinyvit {args.command}: {ranks}{type(exc).__name__}: {exc}")
     if status:                           # stopped by a signal, diverged, ...: the other ranks must stop too
@@ -152,7 +207,7 @@ def _failed(status: int, message: str) -> int:
     joined (MPI started), end them all first (MPI_Abort): the others may be waiting for this one in
     a collective, and would wait forever."""
     from .. import distributed
-    print(message, file=sys.stderr)
+    report(message)
     distributed.abort_if_running(status)
     return status
 

@@ -32,6 +32,7 @@ def cmd_pretrain(args) -> int:
     cfg = _train_config(args, recipe=PRETRAIN_RECIPE)
     task = {"target": args.target, "mask_rate": args.mask_rate, "mask_fraction": args.mask_fraction,
             "random_fraction": args.random_fraction}
+    _check_task({k: v for k, v in task.items() if v is not None})
     # The task's settings are MaskedConfig fields: they travel in model_args (and so in the run's
     # config.json and checkpoints) like any other model setting.
     cfg = replace(cfg, model_args={**cfg.model_args, **{k: v for k, v in task.items() if v is not None}})
@@ -39,6 +40,23 @@ def cmd_pretrain(args) -> int:
         target = cfg.model_args.get("target", "mean3bit")
         cfg = replace(cfg, out=str(Path("runs") / f"pretrain-{cfg.dataset}-{(cfg.model or 'preset').replace('/', '-')}-{target}"))
     return _run_training(cfg, objective=MaskedPrediction())
+
+
+def _check_task(task: dict) -> None:
+    """The masking flags, checked by MaskedConfig (its other fields at their defaults) and named as
+    the flags that set them."""
+    from ..models.masked import MaskedConfig
+    try:
+        MaskedConfig(**task)
+    except ValueError as exc:
+        message = str(exc).removeprefix("invalid MaskedConfig: ")
+        for name in task:
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise UsageError(message) from None
+
+
+# --seeds above this is a typo (each seed fits and scores every shot count once more).
+MAX_SEEDS = 1000
 
 
 def cmd_fewshot(args) -> int:
@@ -51,6 +69,10 @@ def cmd_fewshot(args) -> int:
     l2s = _number_list(args.l2, float, "--l2")
     if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
         raise UsageError("--shots and --seeds must be >= 1 and --l2 > 0")
+    if args.seeds > MAX_SEEDS:
+        raise UsageError(f"--seeds must be at most {MAX_SEEDS}, got {args.seeds}")
+    if args.seed < 0:                                   # NumPy's generators take none below 0
+        raise UsageError(f"--seed must be a whole number >= 0, got {args.seed}")
     positive(args, "test_limit", "batch_size")
     if (args.checkpoint is None) == (args.random_init is None):
         raise UsageError("give either a CHECKPOINT or --random-init MODEL")

@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..backend import PRECISIONS
-from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
+from . import UsageError, add_kernels_flag, key_values, model_args, read_toml, report
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -60,7 +59,8 @@ def _duration_flag(text) -> float:
     try:
         return _minutes(text)
     except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--time-budget: ")) from None
+        message = str(exc).removeprefix("--time-budget: ").removeprefix("--time-budget ")   # argparse names it
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _check_model(cfg) -> None:
@@ -105,7 +105,7 @@ def _run_training(cfg, model=None, objective=None) -> int:
     except KeyboardInterrupt as stop:                      # training.Stopped carries SIGTERM's or SIGHUP's number
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except (TrainingDiverged, RunFolderInUse) as exc:
-        print(f"tinyvit: {distributed.rank_prefix()}{exc}", file=sys.stderr)
+        report(f"tinyvit: {distributed.rank_prefix()}{exc}")            # under mpirun: once, by rank 0
         return 1
     if not distributed.world().writer:                     # rank 0 reports for all
         return 0
@@ -124,7 +124,9 @@ def cmd_train(args) -> int:
 def cmd_finetune(args) -> int:
     """Fine-tune a checkpoint with the paper's recipe (appendix B.1.1)."""
     from ..training import FINETUNE_RECIPE, load_data, prepare_finetune
+    positive(args, "image_size")
     cfg = _train_config(args, recipe=FINETUNE_RECIPE)
+    cfg = replace(cfg, finetune_from=str(Path(args.checkpoint).resolve()))   # a resume checks it is the same
     if cfg.out is None:
         cfg = replace(cfg, out=str(Path("runs") / f"finetune-{Path(args.checkpoint).stem}-{cfg.dataset}"))
     if cfg.model:

@@ -12,11 +12,19 @@ Each file is a Python-2 pickle of a dict: ``data`` is a (N, 3072) uint8 array wh
 ``data.reshape(N, 3, 32, 32)`` is already NCHW. Labels are lists of ints.
 
 A pickle can run arbitrary code when loaded, so these files are read with :class:`SafeUnpickler`,
-which rebuilds only NumPy arrays and refuses every other class or function by name.
+which rebuilds only NumPy arrays of integers and refuses every other class or function by name. A
+pickle can also be small and still ask for gigabytes (a few hundred bytes of nested lists whose
+labels NumPy reads as 10^10 integers; a megabyte of one-byte opcodes that each build an empty list),
+so before anything is built a file is checked against the layout above: its size and number of
+opcodes (``MAX_PICKLE_BYTES``, ``MAX_PICKLE_OPCODES``), then one dict of arrays, numbers, names
+and flat lists of them (``check_layout``), and labels that are whole numbers of the classes.
 """
 from __future__ import annotations
 
+import functools
+import io
 import pickle
+import pickletools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -31,6 +39,25 @@ try:                                                    # NumPy 2 moved numpy.co
     from numpy._core.multiarray import _reconstruct, scalar as _np_scalar
 except ImportError:                                     # pragma: no cover - NumPy 1.x
     from numpy.core.multiarray import _reconstruct, scalar as _np_scalar
+
+
+# The largest CIFAR file is CIFAR-100's train: 155 MB and about 200,000 opcodes (a label, a file
+# name and its memo entry per image). Anything much larger is not a CIFAR file; these bounds keep
+# what unpickling builds to a few hundred MB whatever the file holds.
+MAX_PICKLE_BYTES = 256 << 20
+MAX_PICKLE_OPCODES = 1_000_000
+NOT_GENUINE = ("the file is not a genuine CIFAR batch (damaged, or made to look like one); delete it and download "
+               "the dataset again")
+
+
+def _integer_dtype(source, name, align=False, copy=False):
+    """``numpy.dtype`` for the dtypes a CIFAR batch holds, integers (uint8 pixels, int labels), alone."""
+    dtype = np.dtype(name) if isinstance(name, str) and len(name) <= 4 else None
+    if dtype is None or dtype.kind not in "ui":
+        found = dtype if dtype is not None else repr(name)[:40]
+        raise UnsafePickleError(f"{source}: refusing a NumPy array of {found}: a CIFAR batch holds uint8 pixels and "
+                                f"integer labels only; {NOT_GENUINE}")
+    return dtype
 
 
 def _latin1_encode(text, encoding="latin1"):
@@ -54,7 +81,7 @@ class SafeUnpickler(pickle.Unpickler):
         ("numpy.core.multiarray", "scalar"): _np_scalar,
         ("numpy._core.multiarray", "scalar"): _np_scalar,
         ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
+        ("numpy", "dtype"): _integer_dtype,
         ("_codecs", "encode"): _latin1_encode,                      # bytes in Python-3 protocol 2
     }
 
@@ -64,7 +91,8 @@ class SafeUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         try:
-            return self.ALLOWED[(module, name)]
+            found = self.ALLOWED[(module, name)]
+            return functools.partial(found, self.source) if found is _integer_dtype else found   # names the file
         except KeyError:
             raise UnsafePickleError(
                 f"{self.source}: refusing to unpickle {module}.{name}: a CIFAR batch holds only dicts, "
@@ -81,20 +109,58 @@ def read_cifar_batch(path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise DataFileMissing(f"CIFAR file {path} does not exist")
+    size = path.stat().st_size
+    if size > MAX_PICKLE_BYTES:
+        raise DataFormatError(f"{path} is {size} bytes, more than any CIFAR file (at most {MAX_PICKLE_BYTES}): "
+                              f"{NOT_GENUINE}")
+    raw = path.read_bytes()
     try:
-        with open(path, "rb") as f:
-            obj = SafeUnpickler(f, source=str(path)).load()
-    except UnsafePickleError:
+        _count_opcodes(raw, path)
+        obj = SafeUnpickler(io.BytesIO(raw), source=str(path)).load()
+    except (UnsafePickleError, DataFormatError):
         raise
     except Exception as exc:        # UnpicklingError, EOFError (truncated), ValueError, ...
         raise DataFormatError(f"{path} is not a readable CIFAR pickle ({exc!r})") from exc
+    return check_layout(obj, path)
+
+
+def _count_opcodes(raw: bytes, path) -> None:
+    """Refuse a pickle of more opcodes than any CIFAR file, before unpickling builds them (one empty
+    list per byte would cost 60 bytes each). pickletools reads the opcodes without building anything."""
+    for count, _ in enumerate(pickletools.genops(io.BytesIO(raw)), 1):
+        if count > MAX_PICKLE_OPCODES:
+            raise DataFormatError(f"{path}: the pickle builds more than {MAX_PICKLE_OPCODES} objects, more than any "
+                                  f"CIFAR file: {NOT_GENUINE}")
+
+
+def check_layout(obj, path) -> dict:
+    """The unpickled ``obj`` as the CIFAR layout allows it, keys made ``str``: one dict whose values
+    are NumPy arrays (integers: SafeUnpickler), numbers, names, or flat lists of whole numbers or names.
+    Anything else (a nested list, whose labels NumPy would expand into a huge array; a float label,
+    which would be truncated) is a DataFormatError naming the key and the value."""
     if not isinstance(obj, dict):
         raise DataFormatError(f"{path}: expected a pickled dict, found {type(obj).__name__}")
-    return {_str(k): v for k, v in obj.items()}
+    layout = {}
+    for key, value in obj.items():
+        if not isinstance(key, (str, bytes)):
+            raise DataFormatError(f"{path}: a key {key!r} that is not a name: {NOT_GENUINE}")
+        key = _str(key)
+        if isinstance(value, list):
+            bad = next((item for item in value if type(item) not in (int, str, bytes)), None)
+            if bad is not None:
+                kind = f"{bad!r} ({type(bad).__name__})" if type(bad) in (float, bool) else f"a {type(bad).__name__}"
+                raise DataFormatError(f"{path}: {key!r} holds {kind}, but a CIFAR batch's lists hold only whole "
+                                      f"numbers (labels) or names: {NOT_GENUINE}")
+        elif type(value) not in (np.ndarray, int, str, bytes):
+            raise DataFormatError(f"{path}: {key!r} holds a {type(value).__name__}, which a CIFAR batch never does: "
+                                  f"{NOT_GENUINE}")
+        layout[key] = value
+    return layout
 
 
-def _images_and_labels(batch: dict, path, label_key: str):
-    """(N, 3072) uint8 rows -> (N, 3, 32, 32) images; the label list -> (N,) int64."""
+def _images_and_labels(batch: dict, path, label_key: str, num_classes: int):
+    """(N, 3072) uint8 rows -> (N, 3, 32, 32) images; the label list (checked by check_layout: flat,
+    whole numbers) -> (N,) int64, each in [0, num_classes)."""
     for key in ("data", label_key):
         if key not in batch:
             raise DataFormatError(f"{path}: missing key {key!r} (found {sorted(batch)})")
@@ -102,9 +168,17 @@ def _images_and_labels(batch: dict, path, label_key: str):
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         raise DataFormatError(f"{path}: 'data' must be a (N, 3072) uint8 array, got "
                               f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
-    labels = np.asarray(batch[label_key], dtype=np.int64)
+    raw = batch[label_key]
+    if not (isinstance(raw, np.ndarray) or isinstance(raw, list) and all(type(v) is int for v in raw)):
+        raise DataFormatError(f"{path}: {label_key!r} must be a list of whole numbers, got {type(raw).__name__}: "
+                              f"{NOT_GENUINE}")
+    labels = np.asarray(raw, dtype=np.int64)
     if labels.shape != (data.shape[0],):
-        raise DataFormatError(f"{path}: {len(labels)} labels for {data.shape[0]} images")
+        raise DataFormatError(f"{path}: {len(labels)} {label_key!r} for {data.shape[0]} images")
+    outside = labels[(labels < 0) | (labels >= num_classes)]
+    if outside.size:
+        raise DataFormatError(f"{path}: {label_key!r} holds {outside[0]}, outside the classes [0, {num_classes}): "
+                              f"{NOT_GENUINE}")
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -195,6 +269,16 @@ def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool
         raise DatasetUnavailable(_instructions(spec, root, url, f"could not be fetched: {exc}")) from exc
 
 
+def _class_names(path, key: str) -> list:
+    """The class names a meta file lists under ``key``."""
+    meta = read_cifar_batch(path)
+    if key not in meta:
+        raise DataFormatError(f"{path}: missing key {key!r}")
+    if not isinstance(meta[key], list) or not meta[key] or not all(isinstance(c, (str, bytes)) for c in meta[key]):
+        raise DataFormatError(f"{path}: {key!r} must be a list of names: {NOT_GENUINE}")
+    return [_str(c) for c in meta[key]]
+
+
 def load_cifar10(root=None, download: bool = True, url: Optional[str] = None,
                  progress: bool = True) -> ImageDataset:
     """CIFAR-10: 50,000 train + 10,000 test images (3, 32, 32) uint8 in 10 classes.
@@ -203,15 +287,12 @@ def load_cifar10(root=None, download: bool = True, url: Optional[str] = None,
     """
     folder = ensure_cifar("cifar10", root, url=url, download=download, progress=progress)
     spec = CIFAR["cifar10"]
+    classes = _class_names(folder / spec.meta_file, "label_names")
     splits = {}
     for split, files in (("train", spec.train_files), ("test", spec.test_files)):
-        parts = [_images_and_labels(read_cifar_batch(folder / f), folder / f, "labels") for f in files]
+        parts = [_images_and_labels(read_cifar_batch(folder / f), folder / f, "labels", len(classes)) for f in files]
         splits[split] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    meta = read_cifar_batch(folder / spec.meta_file)
-    if "label_names" not in meta:
-        raise DataFormatError(f"{folder / spec.meta_file}: missing key 'label_names'")
-    return ImageDataset("cifar10", *splits["train"], *splits["test"],
-                        classes=[_str(c) for c in meta["label_names"]],
+    return ImageDataset("cifar10", *splits["train"], *splits["test"], classes=classes,
                         mean=CIFAR10_MEAN, std=CIFAR10_STD, info={"folder": str(folder)})
 
 
@@ -225,11 +306,8 @@ def load_cifar100(root=None, download: bool = True, url: Optional[str] = None, l
         raise ValueError(f"label must be 'fine' or 'coarse', got {label!r}")
     folder = ensure_cifar("cifar100", root, url=url, download=download, progress=progress)
     spec = CIFAR["cifar100"]
-    train = _images_and_labels(read_cifar_batch(folder / "train"), folder / "train", f"{label}_labels")
-    test = _images_and_labels(read_cifar_batch(folder / "test"), folder / "test", f"{label}_labels")
-    meta = read_cifar_batch(folder / spec.meta_file)
-    if f"{label}_label_names" not in meta:
-        raise DataFormatError(f"{folder / spec.meta_file}: missing key '{label}_label_names'")
-    return ImageDataset("cifar100" if label == "fine" else "cifar100-coarse", *train, *test,
-                        classes=[_str(c) for c in meta[f"{label}_label_names"]],
+    classes = _class_names(folder / spec.meta_file, f"{label}_label_names")
+    train = _images_and_labels(read_cifar_batch(folder / "train"), folder / "train", f"{label}_labels", len(classes))
+    test = _images_and_labels(read_cifar_batch(folder / "test"), folder / "test", f"{label}_labels", len(classes))
+    return ImageDataset("cifar100" if label == "fine" else "cifar100-coarse", *train, *test, classes=classes,
                         mean=CIFAR100_MEAN, std=CIFAR100_STD, info={"folder": str(folder), "label": label})

@@ -6,7 +6,9 @@ It ships as four IDX files, gzipped or not:
     t10k-images-idx3-ubyte(.gz)   (10000, 28, 28) uint8     t10k-labels-idx1-ubyte(.gz)   (10000,) uint8
 
 The IDX format (LeCun's, from MNIST) is a 4-byte magic number ``0, 0, dtype code, ndim``, then
-``ndim`` big-endian uint32 sizes, then the values in C order, big-endian.
+``ndim`` big-endian uint32 sizes, then the values in C order, big-endian. A file is read as its
+header says and no further: the data it declares, at most ``MAX_IDX_BYTES``, so a small gzip file
+that inflates to gigabytes (a "gzip bomb") is refused after reading what the header declares.
 
 Where the files are looked for (the first folder holding all four wins): ``root/fashion-mnist``,
 ``root`` itself; with no root, ``$TINYVIT_DATA/fashion-mnist`` (default ``~/.cache/tinyvit/data``)
@@ -47,22 +49,50 @@ SPLITS = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+# The most data an IDX file may declare: the largest Fashion-MNIST file (the training images) holds
+# 47 MB; a header that declares more is refused before anything is read.
+MAX_IDX_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------- the IDX format
 
 def _read_bytes(path) -> bytes:
-    """The file's bytes, decompressed when it is gzipped (detected by its magic bytes 1f 8b)."""
+    """The file's bytes (decompressed when it is gzipped, detected by its magic bytes 1f 8b), read as
+    far as its IDX header says and no further: a header that declares more than MAX_IDX_BYTES, or
+    data that go on past what it declares, is a DataFormatError (the rest is never decompressed)."""
     path = Path(path)
     if not path.is_file():
         raise DataFileMissing(f"IDX file {path} does not exist")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:      # BadGzipFile, truncated stream
-            raise DataFormatError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
-    return raw
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+            head = f.read(4)
+            ndim = head[3] if len(head) == 4 else 0
+            head += f.read(4 * ndim)
+            declared = _declared_bytes(head, path)          # None: no valid header (parse_idx says why)
+            body = f.read(min(declared, MAX_IDX_BYTES) if declared is not None else 0)
+            if declared is not None and f.read(1):
+                shape = tuple(int(d) for d in np.frombuffer(head, ">u4", ndim, 4))
+                raise DataFormatError(f"{path}: more data than its header declares (shape {shape}: {declared} bytes); "
+                                      "not a Fashion-MNIST file, or damaged: delete it and download it again")
+    except (OSError, EOFError, zlib.error) as exc:      # BadGzipFile, truncated stream
+        raise DataFormatError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
+    return head + body
+
+
+def _declared_bytes(head: bytes, path):
+    """The bytes of data an IDX header declares (None for a header parse_idx will refuse); more than
+    MAX_IDX_BYTES is a DataFormatError."""
+    if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in IDX_DTYPES or len(head) < 4 + 4 * head[3]:
+        return None
+    shape = tuple(int(d) for d in np.frombuffer(head, ">u4", head[3], 4))
+    declared = int(np.prod(shape, dtype=object)) * np.dtype(IDX_DTYPES[head[2]]).itemsize
+    if declared > MAX_IDX_BYTES:
+        raise DataFormatError(f"{path}: its header declares shape {shape} of {np.dtype(IDX_DTYPES[head[2]]).name} = "
+                              f"{declared} bytes, more than any Fashion-MNIST file holds (at most {MAX_IDX_BYTES}); "
+                              "not a Fashion-MNIST file, or damaged: delete it and download it again")
+    return declared
 
 
 def parse_idx(data: bytes, source="<bytes>") -> np.ndarray:

@@ -48,9 +48,13 @@ def make_synthetic(num_classes: int = 10, image_size: int = 32, channels: int = 
     balanced int64 labels in [0, num_classes), class names "class_0" ..., and the per-channel
     mean/std measured on the training images. Deterministic for a given set of arguments.
     """
-    if num_classes < 2 or image_size < 4 or channels < 1 or train_size < 1 or test_size < 1:
-        raise ValueError("make_synthetic needs num_classes >= 2, image_size >= 4, channels >= 1 and "
-                         "train_size, test_size >= 1")
+    least = dict(num_classes=2, image_size=4, channels=1, train_size=1, test_size=1)
+    given = dict(num_classes=num_classes, image_size=image_size, channels=channels, train_size=train_size,
+                 test_size=test_size)
+    bad = [f"{name} must be a whole number >= {least[name]}, got {value!r}" for name, value in given.items()
+           if not isinstance(value, int) or isinstance(value, bool) or value < least[name]]
+    if bad:                                 # its settings come from [dataset] (--config) or --dataset-arg
+        raise ValueError(f"synthetic dataset: {'; '.join(bad)} ([dataset] of --config, or --dataset-arg)")
     rng = np.random.default_rng(seed)
     k = num_classes
     # orientations spread over [0, pi) and shuffled, so neighbouring labels are not neighbouring angles

@@ -20,14 +20,31 @@ the training log are summed over the ranks every 20 steps. Augmentation, dropout
 from streams of each rank's own (World.seed): a run of N ranks equals one process with the same
 global batch, to float32 round-off, when none of them is on.
 
-    ranks.py      World (one process), MPIWorld (mpirun), NCCL, abort
+When something goes wrong:
+
+    a failure          one line: rank 0's when every rank fails alike (a bad flag, a missing dataset;
+                       the other ranks hold theirs back a moment and are ended with the job), else one
+                       naming the rank; then every rank ends (MPI_Abort). Open MPI's mpirun adds its own
+                       banner; `mpirun -q` (--quiet) leaves it out.
+    Ctrl-C, SIGTERM    each rank saves as one process does (rank 0 writes latest.safetensors) and exits
+                       130 / 143 / 129, which mpirun returns when the signal reached the ranks (a scheduler
+                       such as SLURM signals every task). Open MPI's mpirun, when it is itself signalled,
+                       forwards the signal and exits 1 whatever the ranks return (4.1: nothing in the ranks
+                       changes that); the checkpoint is saved either way.
+    a stopped rank     (SIGSTOP, Ctrl-Z in its terminal, a debugger) or a hung one: the others would wait
+                       in the next collective for ever, since MPI has no timeout. Each rank watches its
+                       waits: after TINYVIT_COLLECTIVE_TIMEOUT seconds (default 900; 0: for ever) in one
+                       collective it says so in one line and ends every rank, the stopped one included;
+                       the last checkpoint is kept for --resume.
+
+    ranks.py      World (one process), MPIWorld (mpirun), NCCL, abort, the watch on collectives
     buckets.py    the gradient all-reduce in buckets
     training.py   the run's settings checked across ranks, shared evaluation, streams after a resume
 """
 from .buckets import BUCKET_BYTES, GradientBuckets, average_gradients as _average_gradients
 from .training import AcrossRanks, across_ranks, check_run, describe, restart_rank_streams
-from .ranks import (DistributedError, MPIWorld, World, abort_if_running, launched_rank, launched_size,
-                    world)
+from .ranks import (OTHER_RANKS_WAIT_SECONDS, DistributedError, MPIWorld, World, abort_if_running, launched_rank,
+                    launched_size, world)
 
 
 def average_gradients(model, rows: int) -> None:
@@ -42,6 +59,7 @@ def rank_prefix() -> str:
     return f"rank {launched_rank()}: " if launched_size() > 1 else ""
 
 
-__all__ = ["AcrossRanks", "BUCKET_BYTES", "DistributedError", "GradientBuckets", "MPIWorld", "World",
+__all__ = ["AcrossRanks", "BUCKET_BYTES", "DistributedError", "OTHER_RANKS_WAIT_SECONDS", "GradientBuckets",
+           "MPIWorld", "World",
            "abort_if_running", "across_ranks", "average_gradients", "check_run", "describe", "launched_rank",
            "launched_size", "rank_prefix", "restart_rank_streams", "world"]

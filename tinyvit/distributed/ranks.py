@@ -13,15 +13,22 @@ collectives, calls that every rank makes at the same point of the program:
     sum_over_ranks(*numbers)  every rank gets the sums of a few host numbers (losses, counts)
 
 A rank that never reaches a collective the others are in leaves them waiting forever: that is why a
-failing rank ends them all (``abort``) instead of just exiting (tinyvit/cli does it).
+failing rank ends them all (``abort``) instead of just exiting (tinyvit/cli does it). A rank that is
+stopped (SIGSTOP, Ctrl-Z in its terminal, a debugger) or hung cannot say so, and MPI has no timeout:
+so each rank watches its own waits, and one that has waited COLLECTIVE_TIMEOUT_SECONDS in a
+collective (TINYVIT_COLLECTIVE_TIMEOUT in the environment; 0: for ever) says so in one line and
+ends every rank; the run's last checkpoint is kept, to continue with --resume.
 
 ``world()`` builds the World once per process from the environment the launcher sets, as
 torch.distributed's default process group is one per process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -31,6 +38,15 @@ from .. import backend
 # PMI of MPICH/Intel MPI's mpiexec (hydra).
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+# How long a rank waits in one collective before it ends the run (seconds; TINYVIT_COLLECTIVE_TIMEOUT).
+# A step takes seconds and rank 0 writes a checkpoint between two; a quarter of an hour is a rank gone.
+COLLECTIVE_TIMEOUT_SECONDS = 900.0
+# A rank other than 0 reports a failure this much later than rank 0 would (tinyvit/cli too): most
+# failures are every rank's alike, and rank 0, reporting first, ends the job before the others
+# repeat it. One line, not one per rank.
+OTHER_RANKS_WAIT_SECONDS = 3.0
 
 
 class DistributedError(RuntimeError):
@@ -117,7 +133,7 @@ class MPIWorld(World):
     The CuPy stand-in of the tests cannot run NCCL: that path runs only on real GPUs
     (tests/test_distributed.py, marked gpu)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, timeout: float = COLLECTIVE_TIMEOUT_SECONDS):
         from mpi4py import MPI
         self.comm, self.MPI = comm, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -125,6 +141,40 @@ class MPIWorld(World):
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
         self._nccl = None
+        self.timeout = timeout
+        self._waiting = None                                  # (what, since) while in a collective
+        if self.timeout:
+            threading.Thread(target=self._watch, name="tinyvit-collective-watch", daemon=True).start()
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """Mark this rank as waiting for the others in ``what`` (the watch thread reads it)."""
+        self._waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _watch(self) -> None:
+        """The daemon thread that ends every rank when this one has waited too long in a collective
+        (mpi4py releases the GIL inside MPI calls, so it runs while the main thread waits)."""
+        tick = min(1.0, self.timeout / 4)
+        patience = self.timeout + (OTHER_RANKS_WAIT_SECONDS if self.rank else 0.0)     # rank 0 reports first
+        awake = last = time.monotonic()
+        while True:
+            time.sleep(tick)
+            now = time.monotonic()
+            if now - last > tick + 1.0:      # this process was stopped itself (SIGSTOP, then SIGCONT): the
+                awake = now                  # others waited for it, not it for them: count afresh
+            last, waiting = now, self._waiting
+            if waiting is not None and now - max(waiting[1], awake) > patience:
+                print(f"tinyvit: rank {self.rank}: waited {self.timeout:g} s for the other ranks ({waiting[0]}): "
+                      "one of them has stopped (SIGSTOP, Ctrl-Z, a debugger) or hangs; ending every rank (the "
+                      "last checkpoint is kept: continue with --resume). TINYVIT_COLLECTIVE_TIMEOUT sets the wait "
+                      "in seconds (0: for ever)", file=sys.stderr, flush=True)
+                if self.MPI.Query_thread() == self.MPI.THREAD_MULTIPLE:
+                    self.comm.Abort(1)                        # from this thread: MPI allows it at this level
+                os._exit(1)                                   # else mpirun ends the others when this one exits
 
     def device(self, device: str) -> str:
         """'cuda' -> this rank's GPU, 'cuda:<local rank>' (one GPU per rank, as NCCL needs); the CPU
@@ -151,16 +201,19 @@ class MPIWorld(World):
             nccl.allReduce(array.data.ptr, array.data.ptr, array.size, _nccl_dtype(array.dtype),
                            _nccl_module().NCCL_SUM, cp.cuda.get_current_stream().ptr)
         else:
-            self.comm.Allreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
+            with self._collective("the gradients' all-reduce"):
+                self.comm.Allreduce(self.MPI.IN_PLACE, array, op=self.MPI.SUM)
 
     def broadcast(self, obj):
-        return self.comm.bcast(obj, root=0)
+        with self._collective("a broadcast from rank 0"):
+            return self.comm.bcast(obj, root=0)
 
     def broadcast_arrays(self, arrays) -> None:
         # Once per run (the weights at the start): through the host, for NumPy and CuPy alike.
         for array in arrays:
             host = np.ascontiguousarray(backend.to_numpy(array))
-            self.comm.Bcast(host, root=0)
+            with self._collective("the broadcast of rank 0's weights"):
+                self.comm.Bcast(host, root=0)
             if backend.is_cupy_array(array):
                 array.set(host)
             else:
@@ -169,14 +222,17 @@ class MPIWorld(World):
     def sum_over_ranks(self, *numbers) -> tuple:
         # Gathered, then summed in rank order on every rank: the same bits everywhere, which an
         # MPI reduction does not promise (its order of additions may differ between ranks).
-        rows = self.comm.allgather(tuple(float(n) for n in numbers))
+        with self._collective("the sums of the losses and counts"):
+            rows = self.comm.allgather(tuple(float(n) for n in numbers))
         return tuple(sum(column) for column in zip(*rows))
 
     def gather(self, obj) -> list:
-        return self.comm.allgather(obj)
+        with self._collective("a gather of every rank's settings"):
+            return self.comm.allgather(obj)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self._collective("a barrier"):
+            self.comm.Barrier()
 
     def abort(self, status: int) -> None:
         sys.stdout.flush()
@@ -208,6 +264,21 @@ def _nccl_dtype(dtype):
     return kinds[np.dtype(dtype)]
 
 
+def collective_timeout(env=os.environ) -> float:
+    """COLLECTIVE_TIMEOUT_SECONDS, or TINYVIT_COLLECTIVE_TIMEOUT's seconds (0: no watch, wait for ever)."""
+    text = env.get("TINYVIT_COLLECTIVE_TIMEOUT")
+    if text is None:
+        return COLLECTIVE_TIMEOUT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise DistributedError(f"TINYVIT_COLLECTIVE_TIMEOUT must be a number of seconds >= 0 (0: wait for ever), "
+                               f"got {text!r}")
+    return seconds
+
+
 _world = None
 
 
@@ -224,12 +295,13 @@ def _from_environment() -> World:
     size = launched_size()
     if size <= 1:
         return World()
+    timeout = collective_timeout()                   # checked before MPI starts: a bad value ends the job at once
     try:
         from mpi4py import MPI
     except ImportError:
         raise DistributedError(f"started as one of {size} processes (mpirun) but mpi4py is not installed: "
                                "pip install 'tinyvit[mpi]'") from None
-    return MPIWorld(MPI.COMM_WORLD)
+    return MPIWorld(MPI.COMM_WORLD, timeout)
 
 
 def abort_if_running(status: int) -> None:

@@ -62,8 +62,20 @@ def _dataset_info(path, text: str, channels: int, num_classes: int) -> dict:
     return info
 
 
+def check_not_empty(dataset, splits=("train", "test")) -> None:
+    """Raise if a split is empty: a run would measure nothing (once "accuracy 0.00%" and exit 0)."""
+    for split in splits:
+        if len(getattr(dataset, f"{split}_images")) == 0:
+            where = f" (in {dataset.info['folder']})" if dataset.info.get("folder") else ""
+            raise ValueError(f"{dataset.name} has no {split} images{where}: there is nothing to "
+                             f"{'train on' if split == 'train' else 'evaluate'}; give it a {split} split "
+                             "(--data-dir, or the [dataset] settings of --config)")
+
+
 def check_fits(model, dataset) -> None:
-    """Raise if the dataset's images or classes do not fit the model, naming both."""
+    """Raise if the dataset's test split is empty, or its images or classes do not fit the model,
+    naming both."""
+    check_not_empty(dataset, ("test",))
     cfg = model.config
     if (dataset.channels, dataset.image_size) != (cfg.in_channels, cfg.image_size):
         raise ValueError(f"the model takes {cfg.in_channels}x{cfg.image_size}x{cfg.image_size} images but "

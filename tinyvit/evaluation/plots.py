@@ -7,10 +7,12 @@ through tinyvit.backend.to_numpy first.
 """
 from __future__ import annotations
 
+import io
 import math
-import os
 
 import numpy as np
+
+from ..io.arrays import write_bytes_atomically
 
 DPI = 100
 DISTANCE_FIGSIZE = (7.2, 4.8)      # inches; the PNG is figsize * DPI pixels
@@ -227,7 +229,7 @@ def training_curves(history: list, steps: list, path):
         if ax.lines:
             ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=DPI)
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
+    write_bytes_atomically(path, png.getvalue())          # a new file renamed into place: never through a link
     return fig

@@ -1,13 +1,19 @@
 """Any {name: array} to and from one .safetensors file: the bottom layer of tinyvit.io.
 
     save_arrays(path, arrays, metadata)     written atomically (temporary file, fsync, rename)
-    leftover_temporary_files(directory)     what a killed save_arrays left there (its owner removes them)
+    write_bytes_atomically(path, data)      any other file the same way (config.json, curves.png)
+    append_text(path, text)                 a line onto a log (metrics.jsonl), never through a link
+    leftover_temporary_files(directory)     what a killed write left there (its owner removes them)
     load_arrays(path) -> (arrays, metadata)
     read_header(path) -> ({name: (dtype, shape)}, metadata)    no array read (checks before loading)
 
+No write follows a symbolic link: files are created with O_CREAT | O_EXCL | O_NOFOLLOW and put in
+place by a rename, which replaces a link and never what it points to, and an append refuses a
+link (a run writes nothing outside its folder, whatever links someone left in it).
+
 Also the small file helpers the other modules share: ``check_file`` (clear errors for a missing
-path, a directory, a pipe or device, or an unreadable file), ``_sniff`` (a file's kind from its
-first bytes) and ``_contiguous``.
+path, a directory, a pipe or device, or an unreadable file), ``parse_json`` (metadata JSON of a
+bounded depth), ``_sniff`` (a file's kind from its first bytes) and ``_contiguous``.
 """
 from __future__ import annotations
 
@@ -100,17 +106,75 @@ def save_arrays(path, arrays: Mapping, metadata: Mapping | None = None) -> None:
             raise TypeError(f"save_arrays: metadata must map str to str, got {key!r}: {value!r} "
                             "(encode other values with json.dumps)")
 
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"cannot save {path}: the directory {directory} does not exist")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
-    open(tmp, "xb").close()                  # claim a fresh name (never clobbers) with the usual mode
-    mode = os.stat(tmp).st_mode & 0o777      # 0o666 & ~umask, as open() gives every file
-    try:
+    def write(tmp):
         _write_safetensors(tmp, host, metadata)
         os.chmod(tmp, mode)                  # safetensors renames its own 0600 temporary file onto ours
         with open(tmp, "rb+") as f:          # the bytes are on disk before the rename makes them visible
             os.fsync(f.fileno())
+
+    fd, tmp, mode = _claim_temporary(path)
+    os.close(fd)
+    _put_in_place(path, tmp, write)
+
+
+def write_bytes_atomically(path, data: bytes) -> None:
+    """Replace ``path`` by a file holding ``data``, atomically (as ``save_arrays``): readers see the
+    old file or the new one, and a link at ``path`` is replaced, never written through."""
+    def write(tmp):
+        with os.fdopen(fd, "wb") as f:               # the temporary file, as created
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    fd, tmp, _ = _claim_temporary(path)
+    _put_in_place(os.fspath(path), tmp, write)
+
+
+def append_text(path, text: str) -> None:
+    """Append ``text`` to ``path``, creating it (mode 0o666 & ~umask) if it is not there. A symbolic
+    link at ``path`` is refused (OSError ELOOP naming it): an append cannot replace it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
+    except OSError as exc:
+        raise _link_error(path, exc) from None
+    with os.fdopen(fd, "a") as f:
+        f.write(text)
+
+
+# O_NOFOLLOW: opening a path whose last part is a symbolic link fails (ELOOP) instead of opening
+# what it points to; O_CLOEXEC keeps the descriptor from processes started meanwhile. (Windows has
+# neither, nor symbolic links an ordinary user can make.)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _link_error(path, exc: OSError) -> OSError:
+    """``exc``, or for the ELOOP of O_NOFOLLOW an error that says a link was refused and why."""
+    if exc.errno != errno.ELOOP or not os.path.islink(path):
+        return exc
+    return OSError(errno.ELOOP, f"{path} is a symbolic link (to {os.readlink(path)}); tinyvit writes only "
+                                "files of its own there and never through a link: remove the link")
+
+
+def _claim_temporary(path) -> tuple:
+    """(open descriptor, name, mode) of a new, empty temporary file beside ``path``, named as
+    TEMPORARY_NAME says (so a killed write's is found and removed), created O_EXCL | O_NOFOLLOW:
+    never a file or link already there. Its mode is 0o666 & ~umask, what open() gives every file."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save {path}: the directory {directory} does not exist")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
+    return fd, tmp, os.fstat(fd).st_mode & 0o777
+
+
+def _put_in_place(path: str, tmp: str, write) -> None:
+    """``write(tmp)``, then rename ``tmp`` onto ``path`` (atomic; a link there is replaced, not
+    followed) and make the rename durable. On any error the temporary file is removed; a full disk
+    is an OSError that says so and names the folder."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        write(tmp)
         os.replace(tmp, path)
     except BaseException as exc:             # KeyboardInterrupt too: never leave the temporary file
         try:
@@ -137,6 +201,37 @@ def leftover_temporary_files(directory) -> list[str]:
     the start of a run, holding the run folder's lock."""
     return sorted(entry.path for entry in os.scandir(directory)
                   if TEMPORARY_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False))
+
+
+# Metadata JSON may nest this deep (ours nests 5 levels). Python's parser recurses once per level, so
+# 100,000 levels are a RecursionError; deeper than this is refused before parsing.
+MAX_JSON_DEPTH = 64
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')        # a string (skipped), or a bracket
+
+
+def check_json_depth(text: str, what: str) -> None:
+    """Raise ValueError naming ``what`` when ``text`` nests JSON arrays or objects more than
+    MAX_JSON_DEPTH levels deep (brackets inside strings do not count)."""
+    depth = 0
+    for match in _JSON_NESTING.finditer(text):
+        bracket = match.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"{what} is JSON nested more than {MAX_JSON_DEPTH} levels deep, which no file tinyvit "
+                                 "writes has: the file is damaged or crafted")
+        elif bracket in "]}":
+            depth -= 1
+
+
+def parse_json(text: str, what: str):
+    """``json.loads(text)`` for metadata: a ValueError naming ``what`` for text that is not JSON or is
+    nested too deep (check_json_depth)."""
+    check_json_depth(text, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc}): the file is damaged or was edited") from None
 
 
 def check_file(path: str, what: str = "file") -> None:

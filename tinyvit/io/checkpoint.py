@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import __version__
-from .arrays import load_arrays, read_header, save_arrays
+from .arrays import check_json_depth, load_arrays, read_header, save_arrays
 from .config import state_shapes
 
 FORMAT = "tinyvit"
@@ -30,6 +30,7 @@ EXTRA_PREFIX = "extra/"   # extra arrays (optimizer state, ...) live under this 
 #                           appears in a module's dotted parameter names, so they cannot collide.
 RESERVED_METADATA = ("format", "arch", "config", "tinyvit_version")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")   # safetensors' names of the dtypes a model's weights may have
+JSON_METADATA = ("config", "dataset", "training")   # the metadata values tinyvit writes as JSON
 
 
 def save(model, path, arrays: Mapping | None = None, metadata: Mapping | None = None) -> None:
@@ -64,6 +65,7 @@ def _split_checkpoint(path, arrays: dict, metadata: dict):
         raise ValueError(f"{path} is a safetensors file but not a tinyvit checkpoint (its metadata has no "
                          f"'format': 'tinyvit'); to import timm or other weights use tinyvit.io.load_pretrained")
     try:
+        check_json_depth(metadata.get("config", ""), f"{path}: its 'config' metadata")
         arch, config = metadata["arch"], json.loads(metadata["config"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: the checkpoint's 'arch'/'config' metadata is missing or not JSON ({exc}); the "
@@ -133,6 +135,9 @@ def load_checkpoint(path, device=None, dtype=None):
     config describes."""
     from ..models import model_class
     specs, metadata = read_header(path)
+    for key in JSON_METADATA:                   # parsed later (by predict, a resume): of a sane depth
+        if key in metadata:
+            check_json_depth(metadata[key], f"{path}: its {key!r} metadata")
     state_specs, _, _, arch, config = _split_checkpoint(path, specs, metadata)
     model_config = _model_config(path, arch, config)
     _check_header_fits(path, model_config, state_specs)

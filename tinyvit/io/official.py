@@ -2,6 +2,7 @@
 
     read_official_npz(path) -> {flat name: array}    allow_pickle=False, known prefixes removed,
                                                       names and norm shapes as the published files'
+    check_npz_sizes(path)                             what the members' headers declare, before reading
     from_official_npz(path) -> our state dict         via the table OFFICIAL_VIT_NAMES
 
 The layout converters (hwio_to_patch_weight, heads_to_qkv_weight, ...) and the generic
@@ -9,6 +10,7 @@ The layout converters (hwio_to_patch_weight, heads_to_qkv_weight, ...) and the g
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import zipfile
@@ -159,6 +161,49 @@ def _norm_vector(name: str, array: np.ndarray) -> np.ndarray:
                      "saved them, (1, 1, 1, C): the file is damaged or not a vit_jax checkpoint")
 
 
+# NumPy allocates the array a member's header declares before it reads the member, so a few bytes can
+# ask for gigabytes, and a deflated member of zeros inflates a thousandfold. Weights barely compress:
+# together the members may hold at most this many times the file's own size, plus NPZ_SLACK_BYTES
+# (for small files and the zero biases of a fresh head).
+MAX_NPZ_INFLATION = 8
+NPZ_SLACK_BYTES = 64 << 20
+
+
+def check_npz_sizes(path) -> None:
+    """Refuse an .npz (ValueError naming the member) before NumPy allocates anything for it: a member
+    whose .npy header declares other bytes than the zip says it holds, a member of pickled objects, or
+    members that together inflate far beyond the file (MAX_NPZ_INFLATION, NPZ_SLACK_BYTES). Reads the
+    zip's directory and each member's header alone."""
+    from numpy.lib import format as npy
+    size = os.path.getsize(path)
+    limit = MAX_NPZ_INFLATION * size + NPZ_SLACK_BYTES
+    total = 0
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            total += info.file_size
+            if not info.filename.endswith(".npy"):
+                continue
+            with z.open(info) as f:
+                try:
+                    version = npy.read_magic(f)
+                    read = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+                    shape, _, dtype = read(f) if read else npy._read_array_header(f, version)
+                except ValueError as exc:
+                    raise ValueError(f"{path}: {info.filename} is not a readable .npy array ({exc})") from None
+                header = f.tell()
+            declared = math.prod(shape) * dtype.itemsize
+            what = f"{path}: {info.filename} declares shape {shape} of {dtype} = {declared} bytes"
+            if dtype.hasobject:
+                raise ValueError(f"{what} of pickled Python objects, which are never loaded")
+            if header + declared != info.file_size:
+                raise ValueError(f"{what}, but holds {info.file_size - header}: the file is damaged or crafted; "
+                                 "use the checkpoint as published")
+            if total > limit:
+                raise ValueError(f"{what}; with the members before it {total} bytes, more than {MAX_NPZ_INFLATION} "
+                                 f"times the file's {size} (weights barely compress): not a checkpoint, or crafted; "
+                                 "use the checkpoint as published")
+
+
 def read_official_npz(path_or_mapping) -> dict:
     """The official checkpoint's {flat name: NumPy array} in the form OFFICIAL_VIT_NAMES reads, as
     vit_jax/checkpoint.py's load normalises a file: any known prefix removed, the current code's
@@ -169,6 +214,10 @@ def read_official_npz(path_or_mapping) -> dict:
     else:
         path = os.fspath(path_or_mapping)
         check_file(path, "official .npz checkpoint")
+        try:
+            check_npz_sizes(path)
+        except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError(f"{path} is not a readable .npz file (truncated or corrupted): {exc}") from exc
         try:
             with np.load(path, allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}

@@ -77,6 +77,8 @@ class ViTConfig:
             value = getattr(self, name)
             if not (is_number(value) and 0.0 <= value < 1.0):
                 problems.append(f"{name} must be in [0, 1), got {value!r}")
+        if not isinstance(self.qkv_bias, bool):         # "maybe" or 2 would be truthy: a bias nobody asked for
+            problems.append(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         if not (is_number(self.ln_eps) and self.ln_eps > 0):
             problems.append(f"ln_eps must be a positive number, got {self.ln_eps!r}")
         if problems:

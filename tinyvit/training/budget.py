@@ -31,6 +31,10 @@ SAFETY_SECONDS = 5.0
 # Seconds per epoch, beside its evaluation, for writing two checkpoints and the curves.
 EPOCH_OVERHEAD_SECONDS = 1.0
 
+# The longest budget accepted: a month. A longer one is a typo (1e30 minutes once planned 4e32 steps,
+# and 1e308 overflowed the plan to NaN).
+MAX_BUDGET_MINUTES = 30 * 24 * 60
+
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
 
 
@@ -49,6 +53,9 @@ def parse_duration(text) -> float:
         minutes = 60 * h + m + s / 60
     if not math.isfinite(minutes) or minutes <= 0:
         raise ValueError(f"--time-budget must be a positive duration, got {text!r}")
+    if minutes > MAX_BUDGET_MINUTES:
+        raise ValueError(f"--time-budget must be at most {MAX_BUDGET_MINUTES // (24 * 60)} days "
+                         f"({MAX_BUDGET_MINUTES} minutes), got {text!r} minutes; for a longer run give --epochs")
     return minutes
 
 

@@ -3,13 +3,14 @@ the optimizer, the augmentation, and where the images live.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from .. import backend, optim
 from ..data import Augment, load_dataset
-from ..models import create
+from ..models import config_for, create
 from .recipes import PRESET_BY_SHAPE, TrainConfig, parse_randaug
 
 
@@ -31,9 +32,40 @@ def model_name(cfg: TrainConfig, dataset) -> str:
 
 
 def create_for_dataset(name: str, dataset, **overrides):
-    """The named model sized for the dataset: its image size, channels and classes (overrides win)."""
+    """The named model sized for the dataset: its image size, channels and classes (overrides win);
+    one too large to train here is refused before it is built (check_trainable)."""
     sized = dict(image_size=dataset.image_size, in_channels=dataset.channels, num_classes=dataset.num_classes)
+    check_trainable(config_for(name, **{**sized, **overrides}))
     return create(name, **{**sized, **overrides})
+
+
+def check_trainable(config) -> None:
+    """Refuse, before anything is allocated, a model whose training cannot fit this machine's memory:
+    each parameter takes 16 bytes in float32 (the weight, its gradient, two optimizer moments), not
+    counting the activations. (A --model-arg depth=100000000 once spent minutes building blocks;
+    image_size=1000000000 asked for 1.7 EiB of position embeddings.)"""
+    params = config.count_parameters()
+    have = physical_memory()
+    if have and 16 * params > have:
+        raise ValueError(f"the model has {params:.3g} parameters: training it needs at least {_size(16 * params)} "
+                         f"(weights, gradients and optimizer state in float32), more than this machine's "
+                         f"{_size(have)} of memory; choose a smaller model (--model, or --model-arg dim, depth, "
+                         "mlp_dim, image_size, patch_size)")
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"):
+        if nbytes < 1000 or unit == "YB":
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1000
 
 
 def load_data(name: str, data_dir=None, dataset_args: dict | None = None):
@@ -58,6 +90,9 @@ def make_transforms(cfg: TrainConfig, dataset, world=None):
     """(training transform, evaluation transform). In data-parallel training (``world`` of several
     ranks) each rank augments its rows with a random stream of its own."""
     n, m = parse_randaug(cfg.randaug)
+    if cfg.crop_padding > dataset.image_size:            # a pointless crop that pads images by gigabytes
+        raise ValueError(f"--crop-padding {cfg.crop_padding} is more than the {dataset.image_size}-pixel images of "
+                         f"{dataset.name}: give at most {dataset.image_size} (the recipes use 2 to 4; 0: no crop)")
     seed = cfg.seed + 1 if world is None else world.seed(cfg.seed + 1)
     train_tf = Augment(dataset.mean, dataset.std, dataset.num_classes, crop_padding=cfg.crop_padding,
                        flip=cfg.flip, randaug_n=n, randaug_m=m, mixup_alpha=cfg.mixup,

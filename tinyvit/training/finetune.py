@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from .. import io
 from ..backend import get_default_dtype
+from .components import check_trainable
 
 def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None,
                      resize_method: str = "bilinear", **overrides):
@@ -27,7 +28,8 @@ def prepare_finetune(checkpoint, num_classes: int, image_size: int | None = None
     if unknown:
         raise ValueError(f"unknown model settings {unknown}; known: {sorted(f.name for f in fields(old))}")
     new = replace(old, **{"num_classes": num_classes, "representation_size": None,
-                          "image_size": image_size or old.image_size, **overrides})
+                          "image_size": old.image_size if image_size is None else image_size, **overrides})
+    check_trainable(new)                               # a new image size can make it too large to train here
     state = {k: v for k, v in old_model.state_dict().items() if not k.startswith(("head.", "pre_logits."))}
     state, _ = io.adapt_state_dict(state, replace(old, num_classes=num_classes, representation_size=None), new,
                                    resize_method)

@@ -32,24 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
 from .. import backend, distributed, io, kernels, optim
 from ..data import DataLoader
+from ..evaluation.inference import check_not_empty
 from ..evaluation.plots import training_curves
 from ..io.arrays import leftover_temporary_files
 from . import budget
 from .components import load_data, make_optimizer, make_transforms, resident, resize_images, run_dir
 from .objectives import Classification
 from .recipes import TrainConfig
-from .run_folder import (RunFolderLock, check_resume, check_run_folder, dataset_metadata, last_good, log_interval,
-                         read_log, save_training_checkpoint, unflatten_optimizer)
+from .run_folder import (RunFolderLock, append_row, check_resume, check_run_folder, dataset_metadata, last_good,
+                         log_interval, read_log, save_training_checkpoint, unflatten_optimizer, write_config)
+from .saved_state import check_state_fits, damaged, read_training_state, saved_plan
 from .signals import Stopped, ctrl_c_after_block, stop_signals_interrupt
 
 
@@ -78,6 +79,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
         log, progress = _silent, False
     notes = []
     cfg = distributed.check_run(cfg.resolved(notes), world)   # the same on every rank; this rank's device
+    backend.normalize_device(cfg.device)                   # a GPU that cannot be used: refused before anything
     for note in notes:                                     # e.g. a short run without the recipe's augmentation
         log(note)
     objective = distributed.across_ranks(objective or Classification(cfg.label_smoothing), world)  # evaluation too
@@ -95,6 +97,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
     if cfg.train_limit or cfg.test_limit:
         dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
+    check_not_empty(dataset)
     backend.manual_seed(cfg.seed)
     resume_from = io.load_checkpoint(latest) if cfg.resume else None
     if model is None:           # resuming: the checkpoint's own model (a fine-tuned one is no preset)
@@ -121,7 +124,11 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                              device=cfg.device, transform=eval_tf, shard=world.shard)
     steps_per_epoch = len(loader)
     if resume_from:                          # the plan the run started with (its budget was measured then)
-        plan = budget.Plan(**json.loads(resume_from[2]["training"])["progress"]["plan"])
+        saved = read_training_state(latest, resume_from[2], ema=ema is not None)        # every field checked
+        plan, note = saved_plan(saved, cfg, steps_per_epoch)
+        check_state_fits(saved, plan, steps_per_epoch, latest)
+        if note:
+            log(note)
     else:
         plan = _plan_run(cfg, steps_per_epoch, started, model, objective, loader,
                          test_loader, log)
@@ -134,40 +141,52 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
     if cfg.resume:
         model_ckpt, extra, meta = resume_from
         model.load_state_dict(model_ckpt.state_dict())
-        saved = json.loads(meta["training"])
-        opt.load_state_dict(unflatten_optimizer(extra, saved["optimizer"]))
+        try:
+            opt.load_state_dict(unflatten_optimizer(extra, saved["optimizer"]))
+        except ValueError as exc:                      # its own check: the groups and moments fit the model
+            raise damaged(latest, str(exc).removeprefix("load_state_dict: ")) from None
         sched.load_state_dict(saved["scheduler"])
         loader.load_state_dict(saved["loader"])
         if ema is not None:
-            ema.load_state_dict({"step": saved["ema_step"], **extra})
+            try:
+                ema.load_state_dict({"step": saved["ema_step"], **extra})
+            except ValueError as exc:
+                raise damaged(latest, str(exc)) from None
         backend.rng().bit_generator.state = saved["rng"]
         distributed.restart_rank_streams(world, train_tf, cfg.seed, sched.step_count)   # only rank 0's were saved
         state = {**state, **saved["progress"]}
         if world.writer:                  # read_log also drops from the files the rows the checkpoint missed
-            history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"])
-            read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count)
+            history = read_log(out / "metrics.jsonl", lambda row: row["epoch"] <= state["epoch"], METRICS_KEYS)
+            read_log(out / "steps.jsonl", lambda row: row["step"] <= sched.step_count, STEPS_KEYS)
         log(f"resumed {out} at epoch {state['epoch']} (step {sched.step_count})")
     if not cfg.resume and world.writer:   # what a run that crashed before its first checkpoint left
         for name in ("metrics.jsonl", "steps.jsonl", "best.safetensors"):
             (out / name).unlink(missing_ok=True)
     if world.writer:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        write_config(out, cfg)
     log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
         f"({len(dataset.train_images)} train / {len(dataset.test_images)} test images), "
         f"{_length(plan, steps_per_epoch)} on {cfg.device}; writing to {out}")
     if world.size > 1:
         log(distributed.describe(world, cfg))
 
-    def checkpoint():                                    # rank 0's: the weights are the same on every rank
+    def checkpoint() -> bool:                            # rank 0's: the weights are the same on every rank
+        """Save latest.safetensors; False, leaving the file as it was, when the weights are not all
+        finite (a Ctrl-C may come up to CHECK_EVERY steps after the loss went NaN, before its check)."""
+        if not _all_finite(model, opt):
+            return False
         if world.writer:
             save_training_checkpoint(latest, model, opt, sched, loader, cfg, state, dataset, ema)
+        return True
 
     drawn_at = -math.inf                                 # curves.png: after the first epoch, the last, every minute
 
     def averaged():                                      # the weights evaluated and kept as the best
         return ema.applied() if ema is not None else contextlib.nullcontext()
 
-    with backend.matmul_precision(cfg.precision):            # TF32 matmuls for the whole run, if asked
+    # TF32 matmuls for the whole run, if asked; NumPy's overflow warnings silenced: a loss that goes
+    # NaN or infinite stops the run with one line that says so (and they would come before it).
+    with backend.matmul_precision(cfg.precision), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         try:
             while state["epoch"] < plan.epochs:
                 epoch = state["epoch"] + 1
@@ -189,8 +208,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 if ema is not None and epoch == plan.epochs:        # what the average gained, once, at the end
                     row["test_acc_without_ema"] = objective.evaluate(forward, test_loader)["acc"]
                 if world.writer:
-                    with open(out / "metrics.jsonl", "a") as f:     # before the epoch counts as done: see read_log
-                        f.write(json.dumps(row) + "\n")
+                    append_row(out / "metrics.jsonl", row)          # before the epoch counts as done: see read_log
                 history.append(row)
                 # best = highest test accuracy, ties broken by the lower test loss. Recorded once the file is
                 # in place, and before the epoch counts as done: stopped in between, the checkpoint holds the
@@ -205,10 +223,12 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                                                            steps_per_epoch, log))       # rank 0's pace decides
                     state["plan"] = plan.as_dict()
                 state.update(epoch=epoch, partial=None, trained=None)
-                checkpoint()
+                if not checkpoint():
+                    raise TrainingDiverged(f"the weights are not finite any more after epoch {epoch}; stopping. "
+                                           f"{last_good(latest)}")
                 last_epoch = epoch == plan.epochs or epoch == stop_after_epoch
                 if world.writer and (last_epoch or time.perf_counter() - drawn_at >= CURVES_EVERY_SECONDS):  # ~0.7 s
-                    training_curves(history, read_log(out / "steps.jsonl"), out / "curves.png")
+                    training_curves(history, read_log(out / "steps.jsonl", keys=STEPS_KEYS), out / "curves.png")
                     drawn_at = time.perf_counter()
                 log(f"epoch {epoch}/{plan.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
                     f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
@@ -217,9 +237,12 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
         except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
-            checkpoint()
             why = f"stopped by {stop}" if isinstance(stop, Stopped) else "interrupted"
-            log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
+            if checkpoint():
+                log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
+            else:
+                log(f"\n{why}: the weights are not finite any more (the loss diverged after its last check), so the "
+                    f"checkpoint was not saved. {last_good(latest)}")
             raise
     return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
 
@@ -304,6 +327,13 @@ def _gradients(model, forward, objective, cfg, x, y) -> tuple:
     return loss, correct
 
 
+def _all_finite(model, opt) -> bool:
+    """Whether every weight and optimizer moment is finite: a checkpoint of anything else resumes into NaN."""
+    arrays = [p.data for p in model.parameters()]
+    arrays += [v for entry in opt.state.values() for v in entry.values() if getattr(v, "ndim", 0)]
+    return all(bool(backend.get_array_module(a).isfinite(a).all()) for a in arrays)
+
+
 def _silent(*args, **kwargs) -> None:
     """The log of ranks other than 0."""
 
@@ -382,6 +412,10 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
     return {"epoch": epoch, "train_loss": t["loss"] / max(t["seen"], 1), "train_acc": t["correct"] / max(t["seen"], 1),
             "lr": float(sched.last_lr), "seconds": t["seconds"]}
 
+
+# What the rows of metrics.jsonl and steps.jsonl must hold (a resume reads them back; the curves plot them).
+METRICS_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "seconds")
+STEPS_KEYS = ("step", "epoch", "train_loss", "train_acc", "lr")
 
 # The running sums are read back (and a point of the curves written) every this many steps.
 CHECK_EVERY = 20

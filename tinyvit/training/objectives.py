@@ -22,7 +22,7 @@ from ..backend import get_array_module
 from ..evaluation import check_fits, evaluate
 from ..models import ViTConfig, config_for
 from ..models.masked import MaskedConfig, MaskedPatchViT, make_targets, quantize_3bit
-from .components import create_for_dataset, model_name
+from .components import check_trainable, create_for_dataset, model_name
 
 
 class Classification:
@@ -73,7 +73,9 @@ class MaskedPrediction:
                           drop_path=cfg.drop_path)
         settings = {f.name: getattr(base, f.name) for f in fields(ViTConfig)}
         settings.update(cfg.model_args)
-        return MaskedPatchViT(MaskedConfig.from_dict(settings))
+        config = MaskedConfig.from_dict(settings)
+        check_trainable(config)
+        return MaskedPatchViT(config)
 
     def check(self, model, dataset) -> None:
         """The images must fit the model; remember the dataset's normalisation (targets need [0, 1] pixels)."""

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from .. import backend
+from ..data.randaugment import OPS as RANDAUGMENT_OPS
 
 from . import budget
 
@@ -58,6 +59,8 @@ PRETRAIN_RECIPE = dict(optimizer="adam", lr=2e-4, weight_decay=0.0, epochs=14, w
 # on Fashion-MNIST (docs/results.md): 2 epochs of vit-mnist/4 reach 78.96% with crop and flip, 85.27%
 # without; after 14 epochs (15 minutes) still 88.54% against 89.05%.
 SHORT_RUN_EPOCHS = 10
+# The most epochs (and warmup epochs) a run may ask for: more is a typo, whose plan would overflow.
+MAX_EPOCHS = 100_000
 AUGMENTATION_OFF = dict(crop_padding=0, flip=False, randaug="", mixup=0.0, cutmix=0.0, erasing=0.0)
 
 
@@ -98,6 +101,7 @@ class TrainConfig:
     dataset_args: dict = field(default_factory=dict)   # e.g. synthetic sizes
     time_budget: float | None = None                   # minutes: the run's length is measured to fit (budget.py)
     from_recipe: list = field(default_factory=list)    # the settings a recipe gave (resolved() records them)
+    finetune_from: str | None = None                   # the checkpoint `tinyvit finetune` started from (its path)
 
     def __post_init__(self):
         self.validate()                                # every value is checked where it enters: here
@@ -147,6 +151,12 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "eval_batch_size", "train_limit", "test_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.epochs is not None and self.epochs > MAX_EPOCHS:
+            problems.append(f"--epochs must be at most {MAX_EPOCHS}, got {self.epochs}")
+        if self.seed < 0:                                   # NumPy's generators take none below 0
+            problems.append(f"--seed must be a whole number >= 0, got {self.seed}")
+        if self.crop_padding is not None and self.crop_padding < 0:
+            problems.append(f"--crop-padding must be >= 0 (0: no random crop), got {self.crop_padding}")
         # argparse's float() reads "nan" and "inf", and every comparison with NaN is False: test first
         numbers = {name: getattr(self, name) for name in ("lr", "min_lr", "weight_decay", "warmup_epochs", "momentum",
                                                           "grad_clip", "label_smoothing", "mixup", "cutmix",
@@ -162,6 +172,11 @@ class TrainConfig:
         for name in ("erasing", "drop_path", "label_smoothing", "momentum", "ema"):
             if not 0 <= finite.get(name, 0) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be in [0, 1), got {finite[name]}")
+        if finite.get("warmup_epochs", 0) > MAX_EPOCHS:
+            problems.append(f"--warmup-epochs must be at most {MAX_EPOCHS}, got {finite['warmup_epochs']}")
+        if finite.get("min_lr", 0) > finite.get("lr", math.inf):    # the cosine "decay" would raise the rate
+            problems.append(f"--min-lr {finite['min_lr']} is above --lr {finite['lr']}: the schedule decays from "
+                            "--lr to --min-lr; give a --min-lr <= --lr")
         if self.precision not in backend.PRECISIONS:
             extra = (" (bf16 is not supported yet: CuPy has no bfloat16 dtype; use tf32 on a GPU)"
                      if self.precision == "bf16" else "")
@@ -179,19 +194,29 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """A TrainConfig from settings (a --config file's, flags'), each of its field's type: a
+        ValueError names the first that is not, as the flag and the --config key that set it."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
-        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known - set(INTERNAL_FIELDS))}")
+        kinds = {"int": ((int,), "a whole number"), "float": ((int, float), "a number"), "str": ((str,), "text"),
+                 "bool": ((bool,), "true or false"), "dict": ((dict,), "a table")}
         for f in fields(cls):
             value = d.get(f.name)
             base = str(f.type).split("|")[0].strip()
             if value is None or base not in kinds:
                 continue
-            if not isinstance(value, kinds[base]) or (base != "bool" and isinstance(value, bool)):
-                raise ValueError(f"setting {f.name} must be {base}, got {value!r}")
+            types, what = kinds[base]
+            if not isinstance(value, types) or (base != "bool" and isinstance(value, bool)):
+                flag = {"model_args": "--model-arg/[model]", "dataset_args": "[dataset]"}.get(
+                    f.name, f"--{f.name.replace('_', '-')} (`{f.name} = ...` in a --config file)")
+                raise ValueError(f"{flag} must be {what}, got {value!r}")
         return cls(**d)
+
+
+# TrainConfig fields a run fills in itself, which neither a flag nor a --config file sets.
+INTERNAL_FIELDS = ("from_recipe", "finetune_from")
 
 
 def parse_randaug(spec: str) -> tuple[int, float]:
@@ -203,6 +228,7 @@ def parse_randaug(spec: str) -> tuple[int, float]:
         n, m = (int(parts[0]), float(parts[1]) if len(parts) > 1 else 9.0)
     except (ValueError, IndexError):
         raise ValueError(f"--randaug must look like N,M (e.g. 2,9), got {spec!r}") from None
-    if n < 0 or not 0 <= m <= 10 or len(parts) > 2:
-        raise ValueError(f"--randaug N,M needs N >= 0 and 0 <= M <= 10, got {spec!r}")
+    ops = len(RANDAUGMENT_OPS)                 # more rounds than ops would repeat them: a typo, and slow
+    if not 0 <= n <= ops or not 0 <= m <= 10 or len(parts) > 2:
+        raise ValueError(f"--randaug N,M needs 0 <= N <= {ops} (the number of ops) and 0 <= M <= 10, got {spec!r}")
     return n, m

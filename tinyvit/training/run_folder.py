@@ -7,6 +7,12 @@
 
 and the checks that a run may start there (check_run_folder) and that a resume continues the same
 run (check_resume).
+
+A run writes nothing outside its folder: a folder whose files (RUN_FILES) are symbolic links is
+refused before anything is written, and every write goes through tinyvit.io.arrays, which never
+follows a link (a new file is created O_EXCL | O_NOFOLLOW and renamed into place; an append or the
+lock opens with O_NOFOLLOW), so a link that appears while the run is under way is not followed
+either.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import backend, io
+from ..io.arrays import _NOFOLLOW, _link_error, append_text, check_json_depth, write_bytes_atomically
 
 try:
     import fcntl
@@ -48,8 +55,15 @@ class RunFolderLock:
     def __enter__(self) -> RunFolderLock:
         self.made_folder = not self.folder.exists()
         while self._fd is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:               # a file on the way, no permission, a read-only disk, ...
+                raise OSError(f"--out: cannot make the run folder {self.folder} ({exc.strerror}); give --out a "
+                              "folder you can write") from None
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o666)   # never through a link
+            except OSError as exc:
+                raise _link_error(self.path, exc) from None
             try:
                 if fcntl is not None:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,14 +91,29 @@ class RunFolderLock:
 def _is_open_file(fd: int, path: Path) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
     except FileNotFoundError:
         return False
 
 
+# Every file a run writes in its folder (loop.py; curves.png by tinyvit.evaluation.plots).
+RUN_FILES = (RunFolderLock.NAME, "config.json", "metrics.jsonl", "steps.jsonl", "curves.png", "latest.safetensors",
+             "best.safetensors")
+
+
 def check_run_folder(cfg, latest: Path) -> None:
-    """A new run needs a folder without a checkpoint; a resume needs one (reads nothing but whether
-    ``latest`` exists: refused, a run changes nothing)."""
+    """A new run needs a folder without a checkpoint; a resume needs one; and none of the files a run
+    writes there may be a symbolic link (reads nothing but whether they exist: refused, a run
+    changes nothing)."""
+    folder = latest.parent
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {folder} is a file, not a folder: give --out a new folder or a run's")
+    for name in RUN_FILES:
+        path = folder / name
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); a run writes only files of its "
+                             "own folder and never through a link: remove the link (the run's files are made "
+                             "anew), or give the run another --out DIR")
     if latest.exists() and not cfg.resume:
         raise FileExistsError(f"{latest.parent} already holds a run ({latest.name}); pass --resume to continue it, "
                               "or --out DIR for a new run")
@@ -144,20 +173,15 @@ RESUME_MAY_CHANGE = ("device", "precision", "data_dir", "eval_batch_size", "lr",
 
 def check_resume(cfg, latest: Path, log=print) -> None:
     """Refuse to resume the run in ``latest`` with settings (resolved, recipe values filled in) that
-    change what the run is, naming them; log the allowed changes. Reads the checkpoint's header only."""
+    change what the run is, naming them, or from a damaged training state (saved_state.py); log the
+    allowed changes. Reads the checkpoint's header only."""
     from ..io.arrays import read_header
+    from .saved_state import read_training_state
     _, metadata = read_header(latest)
-    if "training" not in metadata:
-        raise ValueError(f"--resume: {latest} holds a model but no training state; fine-tune from it with "
-                         "`tinyvit finetune`, or start a new run with --out DIR")
-    try:
-        saved = json.loads(metadata["training"])["config"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"--resume: the training state in {latest} is damaged (not JSON with a 'config' entry); "
-                         "fine-tune from the run's best.safetensors with `tinyvit finetune`, or start a new run "
-                         "with --out DIR") from None
+    saved = read_training_state(latest, metadata, ema=bool(cfg.ema))["config"]      # every field checked
+    _check_same_source(cfg, saved, latest)
     now = json.loads(json.dumps(asdict(cfg), default=_json_default))      # as stored: tuples become lists
-    for name in ("out", "resume", "from_recipe"):                          # which run, not what it is
+    for name in ("out", "resume", "from_recipe", "finetune_from"):         # which run, not what it is
         del now[name]
     # a setting older runs did not store: its default (ema: runs from before it existed had none)
     defaults = {**asdict(type(cfg)()), "ema": 0.0}
@@ -170,6 +194,22 @@ def check_resume(cfg, latest: Path, log=print) -> None:
                          "it started with (its config.json), or start a new run with --out DIR")
     for name in differ:
         log(f"resuming with {_setting(name)} {now[name]!r} (the run had {before[name]!r})")
+
+
+def _check_same_source(cfg, saved: dict, latest: Path) -> None:
+    """A fine-tuning run resumes with the checkpoint it fine-tunes (`tinyvit finetune CKPT --resume`), a
+    run from scratch with `tinyvit train --resume`: with another checkpoint, the run would silently
+    go on from its own. A run from before tinyvit recorded it (no "finetune_from") is not checked."""
+    if "finetune_from" not in saved or saved["finetune_from"] == cfg.finetune_from:
+        return
+    was, now, folder = saved["finetune_from"], cfg.finetune_from, latest.parent
+    if was is None:
+        raise ValueError(f"--resume: the run in {folder} was trained from scratch, not fine-tuned from {now}: "
+                         f"resume it with `tinyvit train --resume --out {folder}`, or fine-tune in a new run with "
+                         "--out DIR")
+    also = f", or fine-tune {now} in a new run with --out DIR" if now else ", or start a new run with --out DIR"
+    raise ValueError(f"--resume: the run in {folder} fine-tunes {was}{f', not {now}' if now else ''}: resume it "
+                     f"with `tinyvit finetune {was} --resume --out {folder}`{also}")
 
 
 def _setting(name: str) -> str:
@@ -185,10 +225,10 @@ def _json_default(value):
     raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's metadata")
 
 
-def read_log(path: Path, held=None) -> list:
-    """The rows of a JSON-lines log (metrics.jsonl, steps.jsonl). With ``held``, only the rows the
-    checkpoint holds: a row written just before an interruption that the checkpoint missed is
-    dropped from the file (its epoch or steps are done again)."""
+def read_log(path: Path, held=None, keys=()) -> list:
+    """The rows of a JSON-lines log (metrics.jsonl, steps.jsonl), each an object holding numbers under
+    ``keys``. With ``held``, only the rows the checkpoint holds: a row written just before an
+    interruption that the checkpoint missed is dropped from the file (its epoch or steps are done again)."""
     if not path.exists():                               # interrupted in the first epoch
         return []
     rows = []
@@ -196,14 +236,31 @@ def read_log(path: Path, held=None) -> list:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            check_json_depth(line, "the line")
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}, line {number}: not valid JSON ({exc}); delete that line and resume "
                              "again") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {number}: {exc}; delete that line and resume again") from None
+        if not isinstance(row, dict) or any(type(row.get(key)) not in (int, float) for key in keys):
+            raise ValueError(f"{path}, line {number}: not a row tinyvit writes (it needs the numbers "
+                             f"{', '.join(keys)}); delete that line and resume again")
+        rows.append(row)
     kept = rows if held is None else [row for row in rows if held(row)]
     if len(kept) < len(rows):
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        write_bytes_atomically(path, "".join(json.dumps(row) + "\n" for row in kept).encode())
     return kept
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line onto a log of the run folder (never through a link: tinyvit.io.arrays.append_text)."""
+    append_text(path, json.dumps(row) + "\n")
+
+
+def write_config(folder: Path, cfg) -> None:
+    """The run's settings as config.json, replaced atomically (a link there is replaced, not followed)."""
+    write_bytes_atomically(folder / "config.json", json.dumps(asdict(cfg), indent=2).encode())
 
 
 def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict) -> None:
@@ -212,15 +269,32 @@ def log_interval(path: Path | None, sched, epoch: float, now: dict, before: dict
     seen = now["seen"] - before["seen"]
     if seen <= 0 or path is None:
         return
-    row = {"step": sched.step_count, "epoch": round(epoch, 4), "train_loss": (now["loss"] - before["loss"]) / seen,
-           "train_acc": (now["correct"] - before["correct"]) / seen, "lr": float(sched.last_lr)}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(path, {"step": sched.step_count, "epoch": round(epoch, 4),
+                      "train_loss": (now["loss"] - before["loss"]) / seen,
+                      "train_acc": (now["correct"] - before["correct"]) / seen, "lr": float(sched.last_lr)})
 
 
 def last_good(latest: Path) -> str:
-    """What a diverged run leaves behind, and how to go on from it (a resume may lower --lr or clip)."""
-    if latest.exists():
+    """What a diverged run leaves behind, and how to go on from it (a resume may lower --lr or clip):
+    latest.safetensors when its weights are finite (it is never saved otherwise, but an older
+    tinyvit's Ctrl-C could), else best.safetensors when its are."""
+    if not latest.exists():
+        return "No checkpoint was saved yet: start again with a lower --lr (or --grad-clip 1.0)"
+    if _finite_file(latest):
         return (f"The last good checkpoint is kept at {latest}: continue from it with --resume and a lower --lr "
                 "(or --grad-clip 1.0)")
-    return "No checkpoint was saved yet: start again with a lower --lr (or --grad-clip 1.0)"
+    best = latest.parent / "best.safetensors"
+    if best.exists() and _finite_file(best):
+        return (f"{latest} holds weights that are not finite either; {best} is good: fine-tune from it "
+                f"(`tinyvit finetune {best}`), or start again with a lower --lr and --out DIR")
+    return f"{latest} holds weights that are not finite either: start again with a lower --lr and --out DIR"
+
+
+def _finite_file(path: Path) -> bool:
+    """Whether a checkpoint's floating-point arrays are all finite (False for one that cannot be read)."""
+    import numpy as np
+    try:
+        arrays, _ = io.load_arrays(path)
+    except (OSError, ValueError):
+        return False
+    return all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f")
