@@ -51,6 +51,35 @@ def add_kernels_flag(p) -> None:
                         "all: also the CUDA kernels not yet recorded as passed on a GPU (for testing them)")
 
 
+class DeviceUnavailable(ValueError):
+    """--device names a GPU this machine cannot use: one line saying why and what to do."""
+
+
+def check_device(device) -> None:
+    """Refuse, in one line, a --device this machine cannot run on: before any data or model is
+    loaded, so that a missing CuPy or GPU is not a traceback minutes into a run."""
+    name = str(device or "cpu").lower()
+    if name == "cpu":
+        return
+    if not (name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        raise DeviceUnavailable(f"--device {device} needs CuPy, which is not installed: in the clone, pip install -e "
+                                "'.[gpu]' (CUDA 12 drivers; '.[gpu-cuda13]' for CUDA 13), or use --device cpu")
+    from .. import backend
+    try:
+        count = backend.cupy_module().cuda.runtime.getDeviceCount()
+    except Exception as exc:                  # a CUDA driver error: no GPU, or a driver too old for this CuPy
+        why = str(getattr(exc, "__cause__", None) or exc).splitlines()[0]
+        raise DeviceUnavailable(f"--device {device}: CuPy is installed but reaches no CUDA GPU ({why}); on a "
+                                "machine without an NVIDIA GPU use --device cpu, or check `nvidia-smi`") from None
+    index = int(name[5:]) if ":" in name else 0
+    if index >= count:
+        raise DeviceUnavailable(f"--device {device}: this machine has {count} CUDA GPU{'s' if count != 1 else ''}"
+                                f"{f' (cuda:0 to cuda:{count - 1})' if count else ''}")
+
+
 def model_args(pairs) -> dict:
     """--model-arg KEY=VALUE pairs: ViTConfig overrides."""
     return key_values(pairs, "--model-arg", "dim=64")
@@ -127,6 +156,8 @@ def main(argv=None) -> int:
         use_kernels({"on": True, "off": False, "all": "all"}[args.kernels])
     ranks = distributed.rank_prefix()          # "rank R: " in one of several processes (mpirun), else ""
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
         status = args.func(args)
     except UsageError as exc:
         sys.exit(_failed(2, f"tinyvit {args.command}: error: {ranks}{exc}"))      # as parser.exit would

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..backend import PRECISIONS
-from . import UsageError, add_kernels_flag, key_values, model_args, read_toml
+from . import UsageError, add_kernels_flag, check_device, key_values, model_args, read_toml
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 TRAIN_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
@@ -42,6 +42,7 @@ def _train_config(args, recipe=None):
         cfg = TrainConfig.from_dict(settings).resolved(notes)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    check_device(cfg.device)                 # a device from --config: refused as the flag would be
     for note in notes:
         print(note)
     return cfg
