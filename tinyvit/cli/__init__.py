@@ -128,7 +128,19 @@ def read_toml(path) -> dict:
 
 
 # One module per group of subcommands, in the order `tinyvit --help` lists them.
-COMMAND_GROUPS = ("models", "train", "pretrain", "inspect", "bench")
+COMMAND_GROUPS = ("models", "train", "predict", "pretrain", "inspect", "export", "bench")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help that states each flag's default: "(default: X)" after the help of a flag that has one,
+    unless the help says it already (the training flags say where an unset value comes from)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text
+                or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: {action.default})".strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
     for group in COMMAND_GROUPS:
         importlib.import_module(f"{__name__}.{group}").register(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -151,7 +165,7 @@ def main(argv=None) -> int:
         return 0
     from .. import distributed
     from ..data import DataError
-    if getattr(args, "kernels", None) in ("on", "off", "all"):
+    if getattr(args, "kernels", None) in ("on", "off", "all") and args.command != "bench":   # bench: per path
         from ..kernels import use_kernels
         use_kernels({"on": True, "off": False, "all": "all"}[args.kernels])
     ranks = distributed.rank_prefix()          # "rank R: " in one of several processes (mpirun), else ""

@@ -158,7 +158,7 @@ def _instructions(spec: CifarSpec, root: Path, url: str, reason: str) -> str:
     return (f"{spec.title} is not in {root} and {reason}. Offline, train on Fashion-MNIST instead: "
             "--dataset fashion-mnist (its files: apt-get install dataset-fashion-mnist, or any machine's "
             f"download). Or fetch {url} elsewhere and put {spec.archive} (or its extracted {spec.folder}/) "
-            f"into {root} (data_scripts/download_cifar.py --dataset {spec.key} --root DIR downloads and checks it)")
+            f"into {root} or the folder --data-dir names (data_scripts/download_cifar.py --dataset {spec.key} --root DIR downloads and checks it)")
 
 
 def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool = True,

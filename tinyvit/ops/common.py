@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import Tensor
+from ..backend import refuse_torch
 
 
 def widened(x):
@@ -31,6 +32,7 @@ def require_float(op: str, **named) -> None:
     for name, x in named.items():
         if x is None:
             continue
+        refuse_torch(x)                        # before its torch.dtype meets NumPy's
         dt = dtype_of(x)
         if dt is not None and dt.kind != "f":
             raise TypeError(f"{op}: {name} must be a floating-point array, got dtype {dt} "
