@@ -560,7 +560,7 @@ def test_cifar_missing_and_not_downloadable_says_what_to_do(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script", ["download_cifar.py", "prepare_fashion_mnist.py"])
+@pytest.mark.parametrize("script", ["download_cifar.py", "prepare_fashion_mnist.py", "fashion_mnist_folder.py"])
 def test_data_scripts_help(script):
     done = subprocess.run([sys.executable, str(REPO / "data_scripts" / script), "--help"],
                           capture_output=True, text=True, timeout=60)

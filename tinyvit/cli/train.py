@@ -10,7 +10,6 @@ from pathlib import Path
 
 from . import UsageError, check_device, model_args, read_toml
 from .flags import add_train_flags, format_config
-from .predict import dataset_args as _dataset_args
 
 # Flags of `train` and `finetune` that map one-to-one onto TrainConfig fields.
 CONFIG_FLAGS = ("dataset", "model", "data_dir", "epochs", "batch_size", "lr", "min_lr", "weight_decay",
