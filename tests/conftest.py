@@ -141,3 +141,24 @@ def mpirun():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ---------------------------------------------------------------- the end of a run: skips by reason
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per reason for skipping, with its count, instead of pytest's one line per test
+    location (``-rs``): a run without PyTorch or a GPU skips thousands of parametrised cases for a
+    handful of reasons, and the reader wants the reasons. Failures and errors keep pytest's own report."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or "s" in (config.option.reportchars or "").replace("a", "s").replace("A", "s"):
+        return                                        # none, or the user asked for pytest's own list (-rs/-ra)
+    counts = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    terminalreporter.section("skipped, by reason", sep="-")
+    for reason, n in sorted(counts.items(), key=lambda item: -item[1]):
+        terminalreporter.line(f"{n:6d}  {reason}")
+    terminalreporter.line("(pytest -rs lists every skipped test)")

@@ -160,6 +160,7 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.data
         if not is_array(data):
+            backend.refuse_torch(data)
             data = np.asarray(data)
             if data.dtype.kind == "f" and dtype is None:
                 data = data.astype(backend.get_default_dtype())

@@ -56,7 +56,15 @@ def get_array_module(*arrays):
         a = getattr(a, "data", a) if hasattr(a, "requires_grad") else a   # a Tensor: look at its array
         if is_cupy_array(a):
             return cupy_module()
+        refuse_torch(a)
     return np
+
+
+def refuse_torch(x) -> None:
+    """A torch.Tensor where an array belongs (a PyTorch habit): one TypeError saying what to pass."""
+    if type(x).__module__ == "torch":
+        raise TypeError("got a torch.Tensor: tinyvit computes on NumPy arrays (CuPy on a GPU), so pass x.numpy() "
+                        "(x.detach().cpu().numpy() for a tensor that needs a gradient or lives on a GPU)")
 
 
 def device_of(array) -> str:

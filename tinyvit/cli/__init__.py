@@ -54,6 +54,35 @@ def add_kernels_flag(p) -> None:
                         "all: also the CUDA kernels not yet recorded as passed on a GPU (for testing them)")
 
 
+class DeviceUnavailable(ValueError):
+    """--device names a GPU this machine cannot use: one line saying why and what to do."""
+
+
+def check_device(device) -> None:
+    """Refuse, in one line, a --device this machine cannot run on: before any data or model is
+    loaded, so that a missing CuPy or GPU is not a traceback minutes into a run."""
+    name = str(device or "cpu").lower()
+    if name == "cpu":
+        return
+    if not (name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        raise DeviceUnavailable(f"--device {device} needs CuPy, which is not installed: in the clone, pip install -e "
+                                "'.[gpu]' (CUDA 12 drivers; '.[gpu-cuda13]' for CUDA 13), or use --device cpu")
+    from .. import backend
+    try:
+        count = backend.cupy_module().cuda.runtime.getDeviceCount()
+    except Exception as exc:                  # a CUDA driver error: no GPU, or a driver too old for this CuPy
+        why = str(getattr(exc, "__cause__", None) or exc).splitlines()[0]
+        raise DeviceUnavailable(f"--device {device}: CuPy is installed but reaches no CUDA GPU ({why}); on a "
+                                "machine without an NVIDIA GPU use --device cpu, or check `nvidia-smi`") from None
+    index = int(name[5:]) if ":" in name else 0
+    if index >= count:
+        raise DeviceUnavailable(f"--device {device}: this machine has {count} CUDA GPU{'s' if count != 1 else ''}"
+                                f"{f' (cuda:0 to cuda:{count - 1})' if count else ''}")
+
+
 def model_args(pairs) -> dict:
     """--model-arg KEY=VALUE pairs: ViTConfig overrides."""
     return key_values(pairs, "--model-arg", "dim=64")
@@ -116,7 +145,19 @@ def read_toml(path) -> dict:
 MAX_CONFIG_BYTES = 1 << 20
 
 # One module per group of subcommands, in the order `tinyvit --help` lists them.
-COMMAND_GROUPS = ("models", "train", "pretrain", "inspect", "bench")
+COMMAND_GROUPS = ("models", "train", "predict", "pretrain", "inspect", "export", "bench")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help that states each flag's default: "(default: X)" after the help of a flag that has one,
+    unless the help says it already (the training flags say where an unset value comes from)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text
+                or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: {action.default})".strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
     for group in COMMAND_GROUPS:
         importlib.import_module(f"{__name__}.{group}").register(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -171,11 +214,13 @@ def main(argv=None) -> int:
     from .. import distributed
     from ..backend import DeviceUnavailable
     from ..data import DataError
-    if getattr(args, "kernels", None) in ("on", "off", "all"):
+    if getattr(args, "kernels", None) in ("on", "off", "all") and args.command != "bench":   # bench: per path
         from ..kernels import use_kernels
         use_kernels({"on": True, "off": False, "all": "all"}[args.kernels])
     ranks = distributed.rank_prefix()          # "rank R: " in one of several processes (mpirun), else ""
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)
         status = args.func(args)
     except UsageError as exc:
         sys.exit(_failed(2, f"tinyvit {args.command}: error: {ranks}{exc}"))      # as parser.exit would

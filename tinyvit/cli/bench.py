@@ -13,7 +13,7 @@ def command_line(args) -> str:
     words = ["tinyvit", "bench", "--model", args.model]
     words += [f"--model-arg={pair}" for pair in args.model_arg or []]
     words += ["--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype]
-    words += ["--tf32"] if args.tf32 else []
+    words += ["--precision", "tf32"] if args.precision == "tf32" else []
     words += ["--threads", str(args.threads)] if args.threads else []
     words += ["--kernels", args.kernels, "--warmup", str(args.warmup), "--steps", str(args.steps)]
     words += ["--rounds", str(args.rounds)] if args.rounds != 1 else []
@@ -36,11 +36,11 @@ def cmd_bench(args) -> int:
             raise UsageError("--compare torch needs PyTorch: pip install 'tinyvit[reference]'")
     if args.record_name is not None and args.record is None:
         raise UsageError("--record-name names the file that --record DIR writes: give --record too")
-    args.kernels = kernels_setting(args.kernels)        # None: as the switch is (TINYVIT_KERNELS)
-    args.tf32 = args.tf32 or args.precision == "tf32"
+    # all (both, its former spelling): the three paths; None: as the switch is (TINYVIT_KERNELS)
+    args.kernels = kernels_setting("both" if args.kernels in ("all", "both") else args.kernels)
     try:
         report = run_benchmark(model=args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                               tf32=args.tf32, threads=args.threads, warmup=args.warmup, steps=args.steps,
+                               tf32=args.precision == "tf32", threads=args.threads, warmup=args.warmup, steps=args.steps,
                                rounds=args.rounds, kernels=args.kernels, compare=args.compare,
                                torch_attention=args.torch_attention, peak_tflops=args.peak_tflops,
                                model_args=model_args(args.model_arg), seed=args.seed)
@@ -62,30 +62,32 @@ def register(sub) -> None:
                                    "peak memory and model FLOPs utilisation, on tinyvit's paths: the fused step a "
                                    "training run takes (kernels.fuse(model)) and the model as written with its "
                                    "per-op kernels (--kernels on, the default), the reference ops alone (off), or "
-                                   "all three (both, with the price of readability: the reference's step time over "
+                                   "all three (all, with the price of readability: the reference's step time over "
                                    "the fused one's). --compare torch runs the same model, weights, batch and thread "
                                    "count in PyTorch eager and prints each path's ratio to it. Every run is a JSON "
                                    "record (machine, date, commit, command, versions, numbers): --json FILE, --record DIR.")
     p.add_argument("--model", default="vit-cifar/4", help="named variant (default vit-cifar/4: dim 192, depth 6, "
                                                           "3 heads, patch 4, 32x32, 10 classes)")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="ViTConfig override (repeatable)")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=128, help="images per training step")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--tf32", action="store_true", help="TF32 tensor-core matmuls (cuda, float32; every side)")
-    p.add_argument("--precision", choices=("fp32", "tf32"), default=None,
-                   help="as `tinyvit train --precision`: tf32 is --tf32, fp32 (the default) full float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="the parameters' and images' dtype")
+    p.add_argument("--precision", choices=("fp32", "tf32"), default="fp32",
+                   help="matrix products, as `tinyvit train --precision`: fp32, or tf32 (TF32 tensor cores; cuda, "
+                        "float32; every side)")
+    p.add_argument("--tf32", dest="precision", action="store_const", const="tf32",
+                   help="the same as --precision tf32 (an older spelling)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for NumPy's BLAS, tinyvit's element-wise blocks and torch.set_num_threads "
                         "(default: OPENBLAS_NUM_THREADS or OMP_NUM_THREADS if set, else all cores available)")
-    p.add_argument("--kernels", choices=("on", "off", "both"), default=None,
+    p.add_argument("--kernels", choices=("on", "off", "all", "both"), default=None,
                    help="on: the fused step and the plain model with its per-op kernels; off: the reference "
-                        "ops alone (use_kernels(False)); both: all three, one after the other (default: on, "
-                        "unless TINYVIT_KERNELS=0)")
+                        "ops alone (use_kernels(False)); all: all three, one after the other (both: its former "
+                        "spelling, which records keep) (default: on, unless TINYVIT_KERNELS=0)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="with --kernels both or --compare: time every side --steps more times, in turn, this many "
+                   help="with --kernels all or --compare: time every side --steps more times, in turn, this many "
                         "rounds in all, so that a change in the machine's load hits all alike (default 1)")
     p.add_argument("--compare", choices=("torch",), default=None, help="also time PyTorch eager on the same setup")
     p.add_argument("--torch-attention", choices=("explicit", "sdpa"), default="explicit",
@@ -93,7 +95,7 @@ def register(sub) -> None:
                         "F.scaled_dot_product_attention")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s for MFU (default: measure a square matmul)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batch")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the record to FILE (JSON)")
     p.add_argument("--record", metavar="DIR", default=None,
                    help="also add the record to DIR as <date>-<commit>-<name>.json, never replacing one "

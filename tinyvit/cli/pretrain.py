@@ -8,7 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import UsageError, add_kernels_flag
-from .train import _add_train_flags, _dataset_args, _run_training, _train_config, positive
+from .flags import add_train_flags
+from .predict import checkpoint_dataset
+from .train import _run_training, _train_config, positive, print_config
 
 # Flags of `tinyvit train` that mean nothing without labels.
 LABEL_FLAGS = ("label_smoothing", "mixup", "cutmix")
@@ -36,9 +38,13 @@ def cmd_pretrain(args) -> int:
     # The task's settings are MaskedConfig fields: they travel in model_args (and so in the run's
     # config.json and checkpoints) like any other model setting.
     cfg = replace(cfg, model_args={**cfg.model_args, **{k: v for k, v in task.items() if v is not None}})
-    if cfg.out is None:
+    if cfg.out is None:                 # runs/pretrain-DATASET-MODEL-TARGET, numbered as train's folders
+        from ..training.components import dataset_label, next_run_folder, planned_model_name
         target = cfg.model_args.get("target", "mean3bit")
-        cfg = replace(cfg, out=str(Path("runs") / f"pretrain-{cfg.dataset}-{(cfg.model or 'preset').replace('/', '-')}-{target}"))
+        name = f"pretrain-{dataset_label(cfg.dataset)}-{planned_model_name(cfg).replace('/', '-')}-{target}"
+        cfg = replace(cfg, out=str(next_run_folder(Path("runs") / name, cfg.resume)))
+    if args.print_config:
+        return print_config(cfg, "pretrain")
     return _run_training(cfg, objective=MaskedPrediction())
 
 
@@ -65,6 +71,7 @@ def cmd_fewshot(args) -> int:
 
     from ..evaluation import extract_features, fewshot_evaluate, fewshot_subsets, load_for_inference
     from ..training import load_data
+    from ..training.components import input_shape
     shots = _number_list(args.shots, int, "--shots")
     l2s = _number_list(args.l2, float, "--l2")
     if min(shots) < 1 or args.seeds < 1 or min(l2s) <= 0:
@@ -78,14 +85,17 @@ def cmd_fewshot(args) -> int:
         raise UsageError("give either a CHECKPOINT or --random-init MODEL")
     if args.model_arg and not args.random_init:
         raise UsageError("--model-arg goes with --random-init (a checkpoint's model is what it was trained as)")
-    dataset_args = _dataset_args(args.dataset_arg)
-    ds = load_data(args.dataset, args.data_dir, dataset_args)
+    if args.random_init:
+        if not args.dataset:
+            raise UsageError("--random-init needs --dataset (a checkpoint says its own)")
+        ds = load_data(args.dataset, args.data_dir, checkpoint_dataset(None, {}, args.dataset, args.dataset_arg)[1])
+        model, info = _random_model(args, ds), {}
+    else:                                  # the checkpoint's dataset unless --dataset names another
+        model, info = load_for_inference(args.checkpoint, device=args.device)
+        name, options = checkpoint_dataset(args.checkpoint, info, args.dataset, args.dataset_arg)
+        ds = load_data(name, args.data_dir, options, input_shape(None, getattr(model, "vit", model)))
     if args.test_limit is not None:
         ds = ds.subset(None, args.test_limit)
-    if args.random_init:
-        model, info = _random_model(args, ds), {}
-    else:
-        model, info = load_for_inference(args.checkpoint, device=args.device)
     cfg = model.config
     if (ds.channels, ds.image_size) != (cfg.in_channels, cfg.image_size):
         raise ValueError(f"the model takes {cfg.in_channels}x{cfg.image_size}x{cfg.image_size} images but "
@@ -148,7 +158,7 @@ def register(sub) -> None:
                    help="of the corrupted: share replaced by the [mask] embedding (default 0.8)")
     p.add_argument("--random-fraction", type=float, default=None,
                    help="of the corrupted: share replaced by a random other patch (default 0.1; the rest is kept)")
-    _add_train_flags(p, skip=LABEL_FLAGS)
+    add_train_flags(p, skip=LABEL_FLAGS)
     p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("fewshot", help="few-shot linear accuracy of a checkpoint's frozen features (section 4.1)",
@@ -162,8 +172,11 @@ def register(sub) -> None:
                         "initialisation, the baseline that pre-training has to beat")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
                    help="with --random-init: override a ViTConfig field (repeatable)")
-    p.add_argument("--dataset", required=True, choices=("cifar10", "cifar100", "fashion-mnist", "synthetic"))
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--dataset", default=None, metavar="NAME_OR_DIR",
+                   help="cifar10, cifar100, fashion-mnist, synthetic or a folder of images (default: the "
+                        "checkpoint's own; --random-init needs it)")
+    p.add_argument("--data-dir", default=None,
+                   help="where datasets are found or downloaded (default $TINYVIT_DATA or ~/.cache/tinyvit/data)")
     p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
                    help="a dataset option, as in the [dataset] table of `train --config` (e.g. train_size=1000)")
     p.add_argument("--shots", default="1,5,10,25", help="training images per class, comma-separated")
@@ -174,9 +187,9 @@ def register(sub) -> None:
                         "or the mean of the patch tokens for a pool='gap' model), the class token, or the mean "
                         "of the patch tokens")
     p.add_argument("--no-standardize", action="store_true", help="do not scale features to unit variance")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seed of the subsets drawn (and of --random-init's weights)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
     p.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test images only")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_kernels_flag(p)

@@ -227,13 +227,12 @@ def is_complete(folder, name: str) -> bool:
 
 
 def _instructions(spec: CifarSpec, root: Path, url: str, reason: str) -> str:
-    return (f"{spec.title} is not in {root} and {reason}.\n"
-            f"To provide it by hand, download {url}\n"
-            f"  and either extract it into {root} (so that {root / spec.folder / spec.files[0]} exists)\n"
-            f"  or put the archive {spec.archive} itself into {root};\n"
-            f"then run again with --data-dir {root} (or set TINYVIT_DATA={root}).\n"
-            f"(`python data_scripts/download_cifar.py --dataset {spec.key} --root DIR` downloads and "
-            "checks it on any machine with internet access.)")
+    """One line: what is missing, the offline way (Fashion-MNIST from a Debian package), how to
+    provide the archive by hand."""
+    return (f"{spec.title} is not in {root} and {reason}. Offline, train on Fashion-MNIST instead: "
+            "--dataset fashion-mnist (its files: apt-get install dataset-fashion-mnist, or any machine's "
+            f"download). Or fetch {url} elsewhere and put {spec.archive} (or its extracted {spec.folder}/) "
+            f"into {root} or the folder --data-dir names (data_scripts/download_cifar.py --dataset {spec.key} --root DIR downloads and checks it)")
 
 
 def ensure_cifar(name: str, root=None, url: Optional[str] = None, download: bool = True,

@@ -3,14 +3,13 @@ confusion matrix), and top-k prediction on image files."""
 from __future__ import annotations
 
 import json
-import warnings
-from pathlib import Path
 
 import numpy as np
 
 from .. import backend, io
 from .. import functional as F
 from ..autograd import no_grad
+from ..data.images import open_image, prepare
 from ..io.arrays import check_file
 
 
@@ -129,56 +128,80 @@ def format_report(matrix: np.ndarray, classes) -> str:
     return "\n".join(lines)
 
 
-def read_image(path, channels: int, size: int) -> np.ndarray:
+def read_image(path, channels: int, size: int, resize: str = "crop") -> np.ndarray:
     """An image file -> (C, size, size) float32 in [0, 1]: converted to RGB or greyscale as the model
-    expects and resized (bicubic) to its input size. 16-bit greyscale is scaled to 8 bits first.
-    Raises ValueError for a file that is not an image, is truncated, or has more pixels than Pillow
-    decodes safely (Image.MAX_IMAGE_PIXELS: a tiny file can unpack to gigabytes)."""
-    from PIL import Image, UnidentifiedImageError
-    path = Path(path)
-    check_file(str(path), "image file")
-    try:
-        with warnings.catch_warnings():
-            # Pillow only warns of an image over MAX_IMAGE_PIXELS (it refuses one over twice that): refuse both.
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
-                img = _eight_bit(img, path).convert("RGB" if channels == 3 else "L")
-                array = np.asarray(img.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
-    except UnidentifiedImageError:
-        raise ValueError(f"{path} is not an image Pillow can read") from None
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{path} is too large to decode safely ({exc}); shrink it first") from None
-    except OSError as exc:                          # Pillow's "image file is truncated", "broken data stream"
-        raise ValueError(f"{path} is truncated or damaged ({exc}); save or copy it again") from None
-    return array.transpose(2, 0, 1) if array.ndim == 3 else array[None]
+    expects and fitted to its input as ``resize`` says (tinyvit.data.images: "crop", the default,
+    keeps the aspect: short side resized, centre cropped). Raises ValueError naming the file for one
+    that is missing, not an image, truncated or too large to decode safely."""
+    return read_images([path], channels, size, resize)[0][0].astype(np.float32) / 255.0
 
 
-def _eight_bit(img, path):
-    """A Pillow image whose conversion to RGB or L keeps its brightness. Pillow opens 16-bit greyscale
-    (PNG, TIFF) as mode "I;16" ("I", 32-bit integers, in older versions) and its convert("L") clips
-    every value above 255 to white: scale 0..65535 to 0..255 instead (v / 257, so 257 k -> k)."""
-    from PIL import Image
-    if img.mode == "F":
-        raise ValueError(f"{path} holds floating-point pixels, which have no fixed range; save it as an 8- or "
-                         "16-bit image")
-    if not img.mode.startswith("I"):
-        return img
-    values = np.asarray(img, dtype=np.int64)
-    if values.min() < 0 or values.max() > 65535:
-        raise ValueError(f"{path} holds {img.mode} pixels outside 0..65535; save it as an 8- or 16-bit image")
-    return Image.fromarray(((values + 128) // 257).astype(np.uint8))
+def read_images(paths, channels: int, size: int, resize: str = "crop", invert: bool = False) -> tuple:
+    """((B, C, size, size) uint8, [Preparation]) for image files, prepared as the folder dataset
+    prepares its training images (tinyvit.data.images.prepare); ``invert``: 255 - pixels after."""
+    images = np.empty((len(paths), channels, size, size), np.uint8)
+    preps = []
+    for i, path in enumerate(paths):
+        check_file(str(path), "image file")
+        images[i], prep = prepare(open_image(path), channels, size, resize)
+        preps.append(prep)
+    return (255 - images if invert else images), preps
 
 
-def predict_files(model, info, paths, topk: int = 5, device="cpu"):
-    """Top-k (class name, probability) for each image file, normalised as in training."""
+# How far from the training images an input may be before predict says so.
+WORST_CUT = 0.25            # a centre crop that cuts more than this share of the long side
+WORST_SQUASH = 4 / 3        # squashing an aspect over this
+POLARITY_MARGIN = 0.15      # a training mean this far from mid-grey has a polarity (dark or light background)
+
+
+def input_warnings(prep, pixels: np.ndarray, info: dict, inverted: bool = False) -> list:
+    """What about one prepared image (``pixels``: (C, S, S) uint8 as the model sees it) is far from
+    the model's training images, one sentence each: smaller than the input (upscaled, blurred), a
+    crop or squash that changed much, and for a grey model a brightness on the other side of mid-grey
+    from the training images' mean (Fashion-MNIST is light clothes on black; a product photo is dark
+    on white, which such a model reads as something else)."""
+    notes = []
+    if min(prep.width, prep.height) < prep.size:
+        notes.append(f"{prep.width}x{prep.height} is smaller than the model's {prep.size}x{prep.size} input: upscaled, "
+                     "so blurrier than the images it learned from")
+    if prep.resize == "crop" and prep.cut > WORST_CUT:
+        notes.append(f"the centre crop cut {100 * prep.cut:.0f}% of the image; --resize pad keeps all of it")
+    if prep.resize == "squash" and prep.aspect > WORST_SQUASH:
+        notes.append(f"squashed from {prep.aspect:.2f}:1 to square: shapes are distorted (the default --resize crop "
+                     "keeps them)")
+    trained = info.get("mean")
+    if prep.channels == 1 and trained and info.get("name") is not None:
+        seen, mean = float(pixels.mean()) / 255, float(trained[0])
+        if abs(mean - 0.5) > POLARITY_MARGIN and (seen - 0.5) * (mean - 0.5) < 0 and abs(seen - mean) > 0.3:
+            light = "light" if seen > 0.5 else "dark"
+            fix = "remove --invert" if inverted else "--invert flips it"
+            notes.append(f"mostly {light} (mean brightness {seen:.2f}) where the training images are mostly "
+                         f"{'dark' if light == 'light' else 'light'} ({mean:.2f}): the model may misread it; {fix}")
+    return notes
+
+
+def predict_batches(model, info, paths, topk: int = 5, device="cpu", batch_size: int = 64, resize: str = "crop",
+                    invert: bool = False):
+    """For each image file, in order: (path, Preparation, [warnings], [(class name, probability)] top
+    ``topk``). Files are read ``batch_size`` at a time, so memory does not grow with their number; a
+    generator, so results come as each batch is done."""
     cfg = model.config
-    images = np.stack([read_image(p, cfg.in_channels, cfg.image_size) for p in paths])
     mean = np.asarray(info["mean"], np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(info["std"], np.float32).reshape(1, -1, 1, 1)
     dtype = next(iter(model.parameters())).dtype
-    x = backend.to_device(((images - mean) / std).astype(dtype), device)
-    with no_grad():
-        probs = backend.to_numpy(F.softmax(model(x), axis=-1).data)
-    k = min(topk, probs.shape[1])
-    order = np.argsort(-probs, axis=1)[:, :k]
-    return [[(info["classes"][j], float(probs[i, j])) for j in order[i]] for i in range(len(paths))]
+    model.eval()
+    for start in range(0, len(paths), batch_size):
+        batch = list(paths[start:start + batch_size])
+        pixels, preps = read_images(batch, cfg.in_channels, cfg.image_size, resize, invert)
+        x = backend.to_device(((pixels / np.float32(255) - mean) / std).astype(dtype), device)
+        with no_grad():
+            probs = backend.to_numpy(F.softmax(model(x), axis=-1).data)
+        order = np.argsort(-probs, axis=1)[:, :min(topk, probs.shape[1])]
+        for i, path in enumerate(batch):
+            yield (path, preps[i], input_warnings(preps[i], pixels[i], info, invert),
+                   [(info["classes"][j], float(probs[i, j])) for j in order[i]])
+
+
+def predict_files(model, info, paths, topk: int = 5, device="cpu", resize: str = "crop"):
+    """Top-k (class name, probability) for each image file, normalised as in training."""
+    return [top for _, _, _, top in predict_batches(model, info, paths, topk, device, resize=resize)]

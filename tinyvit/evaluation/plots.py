@@ -192,15 +192,17 @@ def plot_attention_distance(distances, path, reference: float | None = None) -> 
 # ---------------------------------------------------------------- training curves
 
 
-def training_curves(history: list, steps: list, path):
+def training_curves(history: list, steps: list, path, train_loss_note: str = ""):
     """The curves of a run -> PNG at ``path`` (written atomically; skipped without matplotlib).
 
     history: the per-epoch rows of metrics.jsonl (epoch, epochs_trained, test_loss, test_acc, ...);
     steps: the rows of steps.jsonl, one per logging interval (epoch as a fraction, train_loss and
     train_acc of that interval, lr). Three panels over epochs: loss and accuracy (training per
     interval as a line, test per epoch as markers, so one epoch already shows a curve and a point),
-    and the learning rate on its own axis. Drawn on a bare Figure with the Agg canvas, so a
-    notebook's pyplot backend is left alone. Returns the Figure (None without matplotlib)."""
+    and the learning rate on its own axis. ``train_loss_note`` says how the training loss differs
+    from the test loss's plain cross-entropy (e.g. "label smoothing 0.1": it cannot reach 0), in the
+    legend. Drawn on a bare Figure with the Agg canvas, so a notebook's pyplot backend is left alone.
+    Returns the Figure (None without matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -214,10 +216,12 @@ def training_curves(history: list, steps: list, path):
     marker = dict(marker="o", markersize=4 if len(epochs) < 50 else 2)
     for ax, key, scale, title in ((ax_loss, "loss", 1, "loss"), (ax_acc, "acc", 100, "accuracy (%)")):
         if steps:
+            note = f"; {train_loss_note}" if train_loss_note and key == "loss" else ""
             ax.plot(at, [scale * row[f"train_{key}"] for row in steps], lw=1, alpha=0.8,
-                    label="train (per interval)")
+                    label=f"train (per interval{note})")
         if history:
-            ax.plot(epochs, [scale * row[f"test_{key}"] for row in history], **marker, label="test (per epoch)")
+            plain = "; plain cross-entropy" if train_loss_note and key == "loss" else ""
+            ax.plot(epochs, [scale * row[f"test_{key}"] for row in history], **marker, label=f"test (per epoch{plain})")
         ax.set(xlabel="epoch", title=title)
     if steps:
         ax_lr.plot(at, [row["lr"] for row in steps], color="tab:green")

@@ -11,6 +11,7 @@ Three layers, from the bottom up:
     read_state_dict(path) -> {name: array}           only the model's arrays
 
     from_timm_state_dict(sd) / to_timm_state_dict(state)     timm's names are ours, the layouts differ
+    save_timm(model, path), timm_model_kwargs(config)         a file timm's VisionTransformer(**kwargs) loads
     from_official_npz(path)                                   google-research/vision_transformer's .npz
     config_from_timm_state_dict(sd), config_from_official_npz(path)   the ViTConfig the weights imply
     load_pretrained(path_or_state_dict, **config_overrides)   any of the above -> a ready ViT
@@ -43,7 +44,8 @@ from .official import (OFFICIAL_PREFIXES, OFFICIAL_VIT_NAMES, convert_by_table, 
                        heads_to_proj_weight, heads_to_qkv_bias, heads_to_qkv_weight, hwio_to_conv_weight,
                        hwio_to_patch_weight, read_official_npz)
 from .pretrained import adapt_state_dict, load_pretrained
-from .timm import TIMM_VIT_LAYOUTS, conv_to_patch_weight, from_timm_state_dict, patch_to_conv_weight, to_timm_state_dict
+from .timm import (TIMM_VIT_LAYOUTS, conv_to_patch_weight, from_timm_state_dict, patch_to_conv_weight, save_timm,
+                   timm_model_kwargs, to_timm_state_dict)
 
 __all__ = [
     # arrays.py
@@ -52,7 +54,7 @@ __all__ = [
     "FORMAT", "EXTRA_PREFIX", "RESERVED_METADATA", "save", "load", "load_checkpoint", "read_state_dict",
     # timm.py
     "TIMM_VIT_LAYOUTS", "conv_to_patch_weight", "patch_to_conv_weight", "from_timm_state_dict",
-    "to_timm_state_dict",
+    "to_timm_state_dict", "timm_model_kwargs", "save_timm",
     # official.py
     "hwio_to_patch_weight", "hwio_to_conv_weight", "heads_to_qkv_weight", "heads_to_qkv_bias",
     "heads_to_proj_weight", "OFFICIAL_VIT_NAMES", "OFFICIAL_PREFIXES", "read_official_npz", "convert_by_table",

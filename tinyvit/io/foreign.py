@@ -43,6 +43,15 @@ def _match(name: str, templates):
     return None, None
 
 
+class UnknownTensors(ValueError):
+    """Tensors a converter has no place for (strict=True); ``names`` lists them, ``hint`` says why.
+    load_pretrained, which takes no ``strict``, turns it into its own message."""
+
+    def __init__(self, message: str, names: list, hint: str):
+        super().__init__(message)
+        self.names, self.hint = names, hint
+
+
 def _report_unknown(unknown, source: str, strict, hint: str = "") -> None:
     """Unused tensors: a ValueError listing them (strict=True), a warning (False), nothing (None)."""
     if not unknown or strict is None:
@@ -51,7 +60,8 @@ def _report_unknown(unknown, source: str, strict, hint: str = "") -> None:
     if hint:
         message += f". {hint}"
     if strict:
-        raise ValueError(message + " (pass strict=False to drop them)")
+        raise UnknownTensors(message + f" ({source}(..., strict=False) drops them, and the result then computes "
+                             "something else than the original model)", sorted(unknown), hint)
     warnings.warn(message + " (dropped)", stacklevel=3)
 
 

@@ -15,9 +15,9 @@ from .arrays import check_file, _sniff, load_arrays
 from .checkpoint import FORMAT, _check_header_fits, _finish, _model_config, _split_checkpoint
 from .config import (_is_hybrid, config_from_official_npz, config_from_state_dict, config_from_timm_state_dict,
                      hybrid_config_from_state_dict)
-from .foreign import _to_numpy
+from .foreign import UnknownTensors, _to_numpy
 from .official import from_official_npz, read_official_npz
-from .timm import from_timm_state_dict, timm_unstored_fields
+from .timm import from_timm_state_dict, refuse_fc_norm, timm_unstored_fields
 
 
 _PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never unpickles files: "
@@ -30,6 +30,17 @@ _PICKLE_HELP = ("{path} is a pickle (a PyTorch .pth/.bin/.pt), and tinyvit never
 
 
 _SAFETENSORS_DTYPE = {"float16": "F16", "float32": "F32", "float64": "F64"}     # as checkpoint's header check names them
+
+
+def _refuse_unknown(where, convert):
+    """``convert()``, with tensors it has no place for refused in load_pretrained's own words (its
+    converters' strict=False advice is not for load_pretrained, which loads exactly or not at all)."""
+    try:
+        return convert()
+    except UnknownTensors as exc:
+        raise ValueError(f"{where}: {len(exc.names)} tensor(s) tinyvit's ViT has no place for: {', '.join(exc.names)}"
+                         f"{'. ' + exc.hint if exc.hint else ''}; load_pretrained loads only weights that compute what "
+                         "their model computes") from None
 
 
 def _read_source(source, hints: dict, timm_name: str | None = None):
@@ -66,12 +77,14 @@ def _read_source(source, hints: dict, timm_name: str | None = None):
         _check_header_fits(where, model_config, specs)
         return state, arch, model_config
     if any(k.endswith("embedding/kernel") for k in arrays):   # the official Flax names
-        state = from_official_npz(arrays)
+        state = _refuse_unknown(where, lambda: from_official_npz(arrays))
         return state, "hybrid" if _is_hybrid(state) else "vit", config_from_official_npz(arrays, **hints)
     if is_timm:                                               # timm / PyTorch layouts
         arch = "hybrid" if _is_hybrid(arrays) else "vit"
+        refuse_fc_norm(arrays)                                 # before the pooling is asked about
+        state = _refuse_unknown(where, lambda: from_timm_state_dict(arrays))
         hints = {**hints, **timm_unstored_fields(arrays, timm_name, hints.get("num_heads"), hints.get("pool"))}
-        return from_timm_state_dict(arrays), arch, config_from_timm_state_dict(arrays, **hints)
+        return state, arch, config_from_timm_state_dict(arrays, **hints)
     if kernel is not None and len(kernel.shape) == 2 and _is_hybrid(arrays):   # our names, a hybrid
         state = {k: _to_numpy(v) for k, v in arrays.items()}
         return state, "hybrid", hybrid_config_from_state_dict(state, **hints)

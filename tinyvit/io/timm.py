@@ -113,6 +113,16 @@ def _relayout(state: Mapping, convert_conv) -> tuple[dict, list]:
     return out, unknown
 
 
+def refuse_fc_norm(sd: Mapping) -> None:
+    """A ValueError for timm weights with an fc_norm, which no tinyvit ViT computes (load_pretrained's check)."""
+    if "fc_norm.weight" in sd:
+        raise ValueError("these timm weights have an fc_norm: the model averages the patch tokens and then normalises "
+                         "the average (timm's global_pool='avg' with fc_norm, as MAE and BEiT fine-tune), while "
+                         "tinyvit's pool='gap' normalises every token before averaging (the paper's code), so they "
+                         "would compute something else and cannot be loaded; timm's *_gap_* models (fc_norm=False) "
+                         "load with pool='gap'")
+
+
 def from_timm_state_dict(sd: Mapping, strict: bool = True) -> dict:
     """A timm/PyTorch ViT state dict -> ours: {name: NumPy array} in our layouts.
 
@@ -198,3 +208,44 @@ def timm_unstored_fields(sd: Mapping, timm_name: str | None = None, num_heads: i
         raise ValueError("the weights have a cls_token, and timm's global_pool='avg' with a class token has no "
                          "tinyvit equivalent (our 'gap' model has none): only pool='token' loads them")
     return {"num_heads": num_heads, "pool": pool}
+
+
+def timm_model_kwargs(config) -> dict:
+    """The keyword arguments of timm's VisionTransformer that build the model ``config`` (a ViTConfig)
+    describes, so that ``VisionTransformer(**kwargs).load_state_dict(to_timm_state_dict(model))``
+    computes what ``model`` computes. A ValueError names what timm's ViT does not express: a hybrid,
+    position embeddings other than learned 1-D, a pre-logits layer, another LayerNorm epsilon."""
+    problems = []
+    if hasattr(config, "resnet_layers") or hasattr(config, "feature_channels"):
+        problems.append("a hybrid (timm builds those from its own ResNet classes)")
+    if config.posemb != "learned-1d":
+        problems.append(f"posemb={config.posemb!r} (timm's ViT learns 1-D position embeddings)")
+    if config.representation_size:
+        problems.append("a pre-logits layer (representation_size; timm's ViT has none)")
+    if config.ln_eps != 1e-6:
+        problems.append(f"LayerNorm eps {config.ln_eps} (timm's ViT uses 1e-6)")
+    if problems:
+        raise ValueError(f"timm's VisionTransformer cannot express {'; '.join(problems)}")
+    kwargs = dict(img_size=config.image_size, patch_size=config.patch_size, in_chans=config.in_channels,
+                  num_classes=config.num_classes, embed_dim=config.dim, depth=config.depth,
+                  num_heads=config.num_heads, mlp_ratio=config.mlp_dim / config.dim, qkv_bias=config.qkv_bias)
+    if config.pool == "gap":           # averaging the normalised tokens: no class token, no norm after pooling
+        kwargs.update(global_pool="avg", class_token=False, fc_norm=False)
+    else:
+        kwargs.update(global_pool="token")
+    if config.gelu_approximate == "tanh":
+        kwargs["act_layer"] = "gelu_tanh"
+    return kwargs
+
+
+def save_timm(model, path, metadata: dict | None = None) -> dict:
+    """Write ``model`` as a timm state dict (timm's names, PyTorch layouts) to a .safetensors file that
+    ``safetensors.torch.load_file`` reads; its metadata holds the VisionTransformer keyword
+    arguments (JSON, "timm_kwargs"), which are returned."""
+    import json
+
+    from .arrays import save_arrays
+    kwargs = timm_model_kwargs(model.config)
+    save_arrays(path, to_timm_state_dict(model),
+                {"format": "pt", "timm_kwargs": json.dumps(kwargs), **(metadata or {})})
+    return kwargs

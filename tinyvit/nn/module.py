@@ -250,7 +250,7 @@ class Module:
         targets = OrderedDict((name, (m, key, kind)) for name, m, key, kind in self._state_items())
         missing = [k for k in targets if k not in state_dict]
         unexpected = [k for k in state_dict if k not in targets]
-        mismatched, staged = [], []
+        mismatched, staged, transposed = [], [], []
         for name, (m, key, kind) in targets.items():
             if name not in state_dict:
                 continue
@@ -260,6 +260,7 @@ class Module:
             shape = tuple(getattr(value, "shape", np.shape(value)))
             if shape != tuple(dest.shape):
                 mismatched.append(f"{name}: checkpoint shape {shape} != model shape {tuple(dest.shape)}")
+                transposed.append((shape, dest))
                 continue
             if not is_array(value):
                 value = np.asarray(value)
@@ -269,6 +270,10 @@ class Module:
         problems = []
         if mismatched:
             problems.append("shape mismatch:\n    " + "\n    ".join(mismatched))
+            if any(shape[::-1] == tuple(dest.shape) or len(shape) == 4 for shape, dest in transposed):
+                # our Linear weights are (in, out), the paper's x E; PyTorch's are (out, in)
+                problems.append("these look like PyTorch/timm layouts: load them with tinyvit.io.load_pretrained, "
+                                "which converts timm state dicts (and official .npz files)")
         if strict and missing:
             problems.append("missing keys: " + ", ".join(missing))
         if strict and unexpected:

@@ -1,6 +1,8 @@
 """Input validation shared by the ops: messages that name the problem, its shapes and the fix."""
 from __future__ import annotations
 
+from ..backend import refuse_torch
+
 # ---------------------------------------------------------------- input validation
 
 
@@ -18,6 +20,7 @@ def require_float(op: str, **named) -> None:
     for name, x in named.items():
         if x is None:
             continue
+        refuse_torch(x)                        # before its torch.dtype meets NumPy's
         dt = dtype_of(x)
         if dt is not None and dt.kind != "f":
             raise TypeError(f"{op}: {name} must be a floating-point array, got dtype {dt} "

@@ -36,6 +36,7 @@ import math
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -45,9 +46,12 @@ from ..evaluation.inference import check_not_empty
 from ..evaluation.plots import training_curves
 from ..io.arrays import leftover_temporary_files
 from . import budget
-from .components import load_data, make_optimizer, make_transforms, resident, resize_images, run_dir
+from .components import (describe_model, input_shape, load_data, make_optimizer, make_transforms, model_name, resident,
+                         resize_images, run_dir)
 from .objectives import Classification
 from .recipes import TrainConfig
+from .progress import RunClock, summary
+from .progress import progress_bar as _progress_bar       # tqdm on a terminal, a line every 30 s elsewhere
 from .run_folder import (RunFolderLock, append_row, check_resume, check_run_folder, dataset_metadata, last_good,
                          log_interval, read_log, save_training_checkpoint, unflatten_optimizer, write_config)
 from .saved_state import check_state_fits, damaged, read_training_state, saved_plan
@@ -94,14 +98,20 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
         for path in leftover_temporary_files(out):         # a killed write's, now that no write can be under way
             os.remove(path)
 
-    dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args)
+    resume_from = io.load_checkpoint(latest) if cfg.resume else None
+    # a folder of images is read at the model's input shape: the given model's, the resumed one's, cfg.model's
+    shape = input_shape(cfg, model if model is not None else resume_from[0] if resume_from else None)
+    dataset = load_data(cfg.dataset, cfg.data_dir, cfg.dataset_args, shape)
     if cfg.train_limit or cfg.test_limit:
         dataset = dataset.subset(cfg.train_limit, cfg.test_limit)
     check_not_empty(dataset)
     backend.manual_seed(cfg.seed)
-    resume_from = io.load_checkpoint(latest) if cfg.resume else None
+    created = None              # the model's name, when this run creates it by name
     if model is None:           # resuming: the checkpoint's own model (a fine-tuned one is no preset)
-        model = resume_from[0] if resume_from else objective.build_model(cfg, dataset)
+        if resume_from:
+            model = resume_from[0]
+        else:
+            model, created = objective.build_model(cfg, dataset), model_name(cfg, dataset)
     if model.config.image_size != dataset.image_size:        # fine-tuning at another resolution
         size = model.config.image_size
         log(f"resizing {dataset.name} images from {dataset.image_size} to {size} px")
@@ -164,9 +174,11 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
             (out / name).unlink(missing_ok=True)
     if world.writer:
         write_config(out, cfg)
-    log(f"training {model.arch} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
+    log(f"training {describe_model(model, created)} ({model.num_parameters() / 1e6:.2f}M parameters) on {dataset.name} "
         f"({len(dataset.train_images)} train / {len(dataset.test_images)} test images), "
         f"{_length(plan, steps_per_epoch)} on {cfg.device}; writing to {out}")
+    if dataset.info.get("layout"):                          # a folder of images: which images it tests on
+        log(f"{dataset.name}: {dataset.info['layout']}")
     if world.size > 1:
         log(distributed.describe(world, cfg))
 
@@ -180,6 +192,8 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
         return True
 
     drawn_at = -math.inf                                 # curves.png: after the first epoch, the last, every minute
+    clock = RunClock(plan, sched.step_count)             # the whole run's pace and time left
+    metric = getattr(objective, "metric", "test accuracy")
 
     def averaged():                                      # the weights evaluated and kept as the best
         return ema.applied() if ema is not None else contextlib.nullcontext()
@@ -195,7 +209,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                         backend.manual_seed(world.seed(cfg.seed * 100_003 + epoch))  # dropout masks, per epoch
                     steps_log = out / "steps.jsonl" if world.writer else None
                     state["trained"] = _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, state,
-                                                        progress, latest, plan, steps_log, ema)
+                                                        progress, latest, plan, steps_log, ema, clock)
                 tick = time.perf_counter()
                 with averaged():
                     test = objective.evaluate(forward, test_loader)
@@ -217,10 +231,11 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                     if world.writer:
                         with averaged():
                             io.save(model, best_path, metadata={"epoch": str(epoch), **dataset_metadata(dataset)})
-                    state["best_acc"], state["best_loss"] = test["acc"], test["loss"]
+                    state["best_acc"], state["best_loss"], state["best_epoch"] = test["acc"], test["loss"], epoch
                 if cfg.time_budget is not None and not resume_from:   # a resumed run keeps its plan
                     plan = world.broadcast(_keep_to_budget(plan, cfg, started, history, eval_s, sched.step_count,
                                                            steps_per_epoch, log))       # rank 0's pace decides
+                    clock.plan = plan
                     state["plan"] = plan.as_dict()
                 state.update(epoch=epoch, partial=None, trained=None)
                 if not checkpoint():
@@ -228,12 +243,15 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                                            f"{last_good(latest)}")
                 last_epoch = epoch == plan.epochs or epoch == stop_after_epoch
                 if world.writer and (last_epoch or time.perf_counter() - drawn_at >= CURVES_EVERY_SECONDS):  # ~0.7 s
-                    training_curves(history, read_log(out / "steps.jsonl", keys=STEPS_KEYS), out / "curves.png")
+                    training_curves(history, read_log(out / "steps.jsonl", keys=STEPS_KEYS), out / "curves.png",
+                                    _loss_note(cfg, objective))
                     drawn_at = time.perf_counter()
                 log(f"epoch {epoch}/{plan.epochs}  train loss {row['train_loss']:.4f} acc {100 * row['train_acc']:.2f}%  "
-                    f"test loss {row['test_loss']:.4f} acc {100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  "
-                    f"{row['seconds']:.1f}s" + (f"  (EMA of the weights; without it {100 * row['test_acc_without_ema']:.2f}%)"
-                                               if "test_acc_without_ema" in row else ""))
+                    f"{getattr(objective, 'test_label', 'test')} loss {row['test_loss']:.4f} acc "
+                    f"{100 * row['test_acc']:.2f}%  lr {row['lr']:.2e}  {row['seconds']:.1f}s"
+                    + (f"  (EMA of the weights; without it {100 * row['test_acc_without_ema']:.2f}%)"
+                       if "test_acc_without_ema" in row else "")
+                    + ("" if epoch == plan.epochs else f"  ({clock.describe(sched.step_count)})"))
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
         except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
@@ -244,7 +262,20 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                 log(f"\n{why}: the weights are not finite any more (the loss diverged after its last check), so the "
                     f"checkpoint was not saved. {last_good(latest)}")
             raise
-    return {**(history[-1] if history else {}), "best_acc": state["best_acc"], "out": str(out)}
+    result = {**(history[-1] if history else {}), "best_acc": state["best_acc"], "best_epoch": state.get("best_epoch"),
+              "metric": metric, "seconds": clock.elapsed(), "out": str(out)}
+    if stop_after_epoch is None or state["epoch"] >= plan.epochs:       # a finished run, not one stopped early
+        log(summary(result, metric, clock.elapsed(), out, sorted(p.name for p in out.iterdir()) if world.writer else []))
+    return result
+
+
+def _loss_note(cfg, objective) -> str:
+    """How the training loss differs from the test loss (plain cross-entropy), for curves.png's legend."""
+    if getattr(objective, "label_smoothing", 0) == 0 and not (cfg.mixup or cfg.cutmix):
+        return ""
+    parts = [f"label smoothing {objective.label_smoothing:g}"] if getattr(objective, "label_smoothing", 0) else []
+    parts += ["on Mixup/CutMix targets"] if cfg.mixup or cfg.cutmix else []
+    return ", ".join(parts)
 
 
 def _length(plan, steps_per_epoch: int) -> str:
@@ -349,7 +380,7 @@ def _go_back_to(loader, point) -> None:
 
 
 def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, state, progress, latest, plan,
-                     steps_log: Path, ema=None) -> dict:
+                     steps_log: Path, ema=None, clock=None) -> dict:
     """One pass over the training data (continuing a partial epoch after a resume; ending early at
     the plan's last step). The running sums stay on the device, read back once every
     ``CHECK_EVERY`` steps (no host sync per step); each read appends the interval's mean loss,
@@ -362,7 +393,8 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
     loss_sum, correct_sum, seen = 0.0, 0.0, 0
     start, last = time.perf_counter(), dict(done)          # last: the totals at the previous check
     steps_here = min(len(loader), plan.total_steps - sched.step_count + loader.position)
-    bar = _progress_bar(steps_here, loader.position, f"epoch {epoch}/{plan.epochs}", progress)
+    bar = _progress_bar(steps_here, loader.position, f"epoch {epoch}/{plan.epochs}", progress, clock,
+                        lambda: sched.step_count)
     resume_at = _resume_point(loader)
 
     def totals(across_ranks: bool = True):
@@ -422,15 +454,3 @@ CHECK_EVERY = 20
 # curves.png is redrawn at most this often (and after the first and last epochs): drawn after each of
 # a 30-minute Fashion-MNIST run's 74 epochs, it took 3% of the budget.
 CURVES_EVERY_SECONDS = 60.0
-
-
-def _progress_bar(total, initial, desc, enabled):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True)
-
-

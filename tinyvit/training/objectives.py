@@ -28,6 +28,8 @@ from .components import check_trainable, create_for_dataset, model_name
 class Classification:
     """Supervised training: cross-entropy on (possibly soft, mixed) targets."""
     name = "classification"
+    metric = "test accuracy"              # what "best" means, in the run's summary
+    test_label = "test"                   # the evaluation's loss and accuracy, in the epoch lines
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
@@ -61,6 +63,9 @@ class MaskedPrediction:
     mean, std: the normalisation the data pipeline applied (per channel); ``check`` takes them from
     the dataset when training through ``train``."""
     name = "masked-patch-prediction"
+    # The pretext task's own numbers, which say nothing of classification (few-shot or fine-tuning does).
+    metric = "masked-patch accuracy (test images)"
+    test_label = "test masked-patch"
 
     def __init__(self, mean=None, std=None, eval_seed: int = 0):
         self.mean, self.std, self.eval_seed = mean, std, eval_seed

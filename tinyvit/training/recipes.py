@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 from .. import backend
+from ..data import is_folder_name
 from ..data.randaugment import OPS as RANDAUGMENT_OPS
 
 from . import budget
@@ -34,7 +36,23 @@ RECIPES = {
                           crop_padding=2, flip=True),
     # The synthetic set is for tests and offline demos: no augmentation, a few epochs, batch 64.
     "synthetic": dict(BASE_RECIPE, model=None, epochs=5, batch_size=64),
+    # A folder of your own images (--dataset DIR): the preset for its images' shape, no augmentation
+    # (a flip or crop may not suit them: turn them on with flags). Usually fine-tuned rather than trained.
+    "folder": dict(BASE_RECIPE, model=None),
 }
+
+
+def recipe_for(dataset: str) -> dict:
+    """The recipe of a dataset name, or RECIPES["folder"] for the path of a folder of images. A name
+    that is neither a built-in dataset nor an existing folder is a ValueError saying both."""
+    if not is_folder_name(dataset):
+        key = {"cifar-10": "cifar10", "cifar-100": "cifar100", "fashionmnist": "fashion-mnist",
+               "fmnist": "fashion-mnist"}.get(dataset.lower().replace("_", "-"), dataset.lower().replace("_", "-"))
+        return RECIPES[key]
+    if not Path(dataset).expanduser().is_dir():
+        raise ValueError(f"unknown dataset {dataset!r}: give one of {', '.join(k for k in RECIPES if k != 'folder')}, "
+                         "or the path of a folder of images with one sub-folder per class (no folder is there)")
+    return RECIPES["folder"]
 
 # With no --model and a recipe that names none, the model for the dataset's images: the recipes' own.
 PRESET_BY_SHAPE = {(32, 3): RECIPES["cifar10"]["model"], (28, 1): RECIPES["fashion-mnist"]["model"]}
@@ -112,7 +130,7 @@ class TrainConfig:
         it is, so resolving is done once however often it is asked for."""
         if self.is_resolved():
             return self
-        filled = {key: value for key, value in RECIPES[self.dataset].items() if getattr(self, key) is None}
+        filled = {key: value for key, value in recipe_for(self.dataset).items() if getattr(self, key) is None}
         cfg = replace(self, **filled, from_recipe=[*self.from_recipe, *filled])
         dropped = cfg.augmentation_dropped()
         if dropped:
@@ -133,12 +151,15 @@ class TrainConfig:
 
     def is_resolved(self) -> bool:
         """Whether every setting a recipe gives is filled in (by resolved(), a recipe or the caller)."""
-        return self.dataset in RECIPES and all(getattr(self, key) is not None for key in RECIPES[self.dataset])
+        try:
+            recipe = recipe_for(self.dataset)
+        except ValueError:
+            return False
+        return all(getattr(self, key) is not None for key in recipe)
 
     def validate(self) -> None:
         """Raise a ValueError naming every bad value (each as the flag that sets it)."""
-        if self.dataset not in RECIPES:
-            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(RECIPES)}")
+        recipe_for(self.dataset)                         # a ValueError names the datasets and folders it takes
         if self.time_budget is not None:
             if self.epochs is not None and "epochs" not in self.from_recipe:
                 raise ValueError("invalid training configuration: pass --epochs or --time-budget, not both "

@@ -147,7 +147,8 @@ def unflatten_optimizer(arrays: dict, rest: dict) -> dict:
 def dataset_metadata(dataset) -> dict:
     """What predict/eval need to treat new images as the model was trained: classes and normalisation."""
     return {"dataset": json.dumps({"name": dataset.name, "classes": list(dataset.classes),
-                                   "mean": list(dataset.mean), "std": list(dataset.std)})}
+                                   "mean": list(dataset.mean), "std": list(dataset.std),
+                                   **dataset.info.get("checkpoint", {})})}    # a folder's path and split
 
 
 def save_training_checkpoint(path, model, opt, sched, loader, cfg, progress: dict, dataset, ema=None) -> None:
