@@ -87,6 +87,17 @@ def add_train_flags(p, skip=()) -> None:
     add_kernels_flag(p)
 
 
+def add_dataset_flags(p, default_note: str, example: str) -> None:
+    """--dataset, --data-dir and --dataset-arg of the commands that read a checkpoint's data (eval,
+    fewshot): ``default_note`` says what an unset --dataset means, ``example`` a --dataset-arg."""
+    p.add_argument("--dataset", default=None, metavar="NAME_OR_DIR",
+                   help=f"cifar10, cifar100, fashion-mnist, synthetic or a folder of images (default: {default_note})")
+    p.add_argument("--data-dir", default=None,
+                   help="where datasets are found or downloaded (default $TINYVIT_DATA or ~/.cache/tinyvit/data)")
+    p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
+                   help=f"a dataset option, as in the [dataset] table of `train --config` (e.g. {example})")
+
+
 def format_config(cfg, run_folder, command: str, note: str = "") -> str:
     """A resolved TrainConfig as TOML that `--config` reads back: top-level settings, a [model] table
     (its name and ViTConfig overrides) and a [dataset] table (name and loader options); each value

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from . import UsageError, add_kernels_flag, key_values
+from .flags import add_dataset_flags
 
 
 def dataset_args(pairs) -> dict:
@@ -127,13 +128,7 @@ def register(sub) -> None:
                                    "accuracy, accuracy per class and the confusion matrix. The dataset, classes "
                                    "and normalisation come from the checkpoint unless --dataset names another.")
     p.add_argument("checkpoint", help="a .safetensors checkpoint (tinyvit train's best/latest, or tinyvit.save)")
-    p.add_argument("--dataset", default=None, metavar="NAME_OR_DIR",
-                   help="cifar10, cifar100, fashion-mnist, synthetic or a folder of images (default: the "
-                        "checkpoint's own)")
-    p.add_argument("--data-dir", default=None,
-                   help="where datasets are found or downloaded (default $TINYVIT_DATA or ~/.cache/tinyvit/data)")
-    p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
-                   help="a dataset option, as in the [dataset] table of `train --config` (e.g. test_size=500)")
+    add_dataset_flags(p, "the checkpoint's own", "test_size=500")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--batch-size", type=int, default=500, help="images per forward pass")
     p.add_argument("--limit", type=int, default=None, help="evaluate on the first N test images only (default: all)")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import UsageError, add_kernels_flag
-from .flags import add_train_flags
+from .flags import add_dataset_flags, add_train_flags
 from .predict import checkpoint_dataset
 from .train import _run_training, _train_config, positive, print_config
 
@@ -172,13 +172,7 @@ def register(sub) -> None:
                         "initialisation, the baseline that pre-training has to beat")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
                    help="with --random-init: override a ViTConfig field (repeatable)")
-    p.add_argument("--dataset", default=None, metavar="NAME_OR_DIR",
-                   help="cifar10, cifar100, fashion-mnist, synthetic or a folder of images (default: the "
-                        "checkpoint's own; --random-init needs it)")
-    p.add_argument("--data-dir", default=None,
-                   help="where datasets are found or downloaded (default $TINYVIT_DATA or ~/.cache/tinyvit/data)")
-    p.add_argument("--dataset-arg", action="append", metavar="KEY=VALUE",
-                   help="a dataset option, as in the [dataset] table of `train --config` (e.g. train_size=1000)")
+    add_dataset_flags(p, "the checkpoint's own; --random-init needs it", "train_size=1000")
     p.add_argument("--shots", default="1,5,10,25", help="training images per class, comma-separated")
     p.add_argument("--seeds", type=int, default=5, help="random subsets per shot count")
     p.add_argument("--l2", default="1", help="ridge penalty (comma-separated for several)")
