@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     info = {"model": config["model"], "image_size": cfg.image_size, "patch_size": cfg.patch_size,
             "grid": cfg.grid_size, "dim": cfg.dim, "depth": cfg.depth, "heads": cfg.num_heads,
             "parameters": model.num_parameters(), "command": args.command or default_command(config),
-            "arch": "hybrid" if hasattr(cfg, "resnet_layers") else "vit", "use": args.use,
+            "arch": "hybrid" if hasattr(cfg, "resnet_layers") else "vit", "use": args.use, "seed": config["seed"],
             "model_args_text": ", ".join(f"{k}={v}" for k, v in (config.get("model_args") or {}).items()),
             "settings": settings(config),
             "machine": args.machine or default_machine(), "commit": commit(),
