@@ -1,19 +1,20 @@
 """Turn a training run's best checkpoint into the small trained model the lessons load.
 
-    python data_scripts/make_lesson_model.py RUN_FOLDER [--command "tinyvit train ..."] [--machine "..."]
+    python data_scripts/make_lesson_model.py RUN_FOLDER [--name NAME] [--use "what the lessons do with it"]
+                                             [--command "tinyvit train ..."] [--machine "..."]
 
 RUN_FOLDER is what `tinyvit train --out RUN_FOLDER` wrote (best.safetensors, config.json, metrics.jsonl).
 The script
 
 1. loads RUN_FOLDER/best.safetensors, casts the weights to float16 and saves them with tinyvit.save as
-   lessons/models/<dataset>-<model>.safetensors, keeping the run's dataset info (classes, mean, std: what
-   `tinyvit predict` and `tinyvit eval` need) and adding a "provenance" entry (JSON: the training command,
-   the run's best and final test accuracy, its wall time, date and machine, the commit, the float16 file's
-   own test accuracy);
+   lessons/models/NAME.safetensors (NAME: default <dataset>-<model>), keeping the run's dataset info
+   (classes, mean, std: what `tinyvit predict` and `tinyvit eval` need) and adding a "provenance" entry
+   (JSON: the training command, the run's settings, best and final test accuracy, its wall time, date and
+   machine, the commit, the float16 file's own test accuracy, what the lessons use it for);
 2. checks the file: it loads with tinyvit.load as float16, and its test accuracy (computed in float32 after
    loading, as `tinyvit eval` does) is within --tolerance points of the run's best;
-3. writes lessons/models/README.md from the same numbers (tests/test_lesson_model.py checks that the two
-   agree).
+3. writes lessons/models/README.md anew from the provenance of every model file in the folder, this one
+   included (tests/test_lesson_model.py checks that the page and the files agree).
 
 The dataset must be on this machine (as for `tinyvit eval`; Debian: apt-get install dataset-fashion-mnist).
 """
@@ -109,13 +110,23 @@ def test_accuracy(path, dataset) -> float:
     return evaluate(model, loader)["acc"]
 
 
-def readme(name: str, info: dict, size: int) -> str:
-    """lessons/models/README.md: what the file is and how it was made, with the numbers of its metadata."""
-    p = info
+def model_line(p: dict) -> str:
+    """The model row of a README section: the ViT, or the hybrid's ResNet and the ViT on its feature map."""
+    vit = (f"D = {p['dim']}, {p['depth']} blocks of {p['heads']} heads, {p['parameters']:,} parameters")
+    if p.get("arch") == "hybrid":
+        return (f"`{p['model']}` with {p.get('model_args_text', '')}: 28x28 grey images, a ResNet stem "
+                f"({p['resnet']}) of stride {p['stride']}, patch size 1 on its feature map ({p['grid']}x{p['grid']} "
+                f"tokens + class token, each {p['stride']}x{p['stride']} pixels), {vit}")
+    args = f" with {p['model_args_text']}" if p.get("model_args_text") else ""
+    return (f"`{p['model']}`{args}: {p['image_size']}x{p['image_size']} grey images, {p['patch_size']}x"
+            f"{p['patch_size']} patches ({p['grid']}x{p['grid']} grid + class token), {vit}")
+
+
+def section(name: str, p: dict, size: int) -> str:
+    """One model file's part of lessons/models/README.md, from its provenance."""
     rows = [
-        ("model", (f"`{p['model']}`: {p['image_size']}x{p['image_size']} grey images, {p['patch_size']}x"
-                  f"{p['patch_size']} patches ({p['grid']}x{p['grid']} grid + class token), D = {p['dim']}, "
-                  f"{p['depth']} blocks of {p['heads']} heads, {p['parameters']:,} parameters")),
+        ("used by", p.get("use", "")),
+        ("model", model_line(p)),
         ("data", ("Fashion-MNIST (60,000 training / 10,000 test images), from the Debian package "
                  "`dataset-fashion-mnist` (`/usr/share/datasets/fashion-mnist`; "
                  "`data_scripts/prepare_fashion_mnist.py` puts the files elsewhere)")),
@@ -129,27 +140,49 @@ def readme(name: str, info: dict, size: int) -> str:
         ("test accuracy of this file", (f"{100 * p['float16_test_accuracy']:.2f}% (float16 weights, computed in "
                                         f"float32 as `tinyvit eval lessons/models/{name} --dataset fashion-mnist` "
                                         "does)")),
-        ("commit", f"`{p['commit']}` (when the file was made, {p['made']})"),
+        ("commit", f"`{p['commit']}` (when the file was made, {p['made']}){COMMIT_NOTES.get(name, '')}"),
     ]
-    table = "\n".join(["| | |", "| --- | --- |"] + [f"| {key} | {value} |" for key, value in rows])
-    return f"""# Trained models for the lessons
+    table = "\n".join(["| | |", "| --- | --- |"] + [f"| {key} | {value} |" for key, value in rows if value])
+    return f"""## `{name}`
 
-`{name}` is a small ViT trained on Fashion-MNIST, stored in float16 ({size:,} bytes).
-Lesson 11 (looking inside) loads it to show what training puts into the patch embedding, the position
-embeddings and the attention; lesson 10 compares its features with an untrained model's in few-shot linear
-evaluation.
+{size:,} bytes, float16.
 
 {table}
+"""
 
-Made from the run's `best.safetensors` with
 
-    python data_scripts/make_lesson_model.py RUN_FOLDER --command "{p['command']}"
+# What the lessons use each file for, for files made before --use existed.
+USES = {"fashion-mnist-vit-mnist-7.safetensors": (
+    "lesson 10 (its features against an untrained model's in few-shot linear evaluation)")}
+COMMIT_NOTES = {"fashion-mnist-vit-mnist-7.safetensors": (
+    "; the run trained with the code of `da2eb1d` (the commit that made `vit-mnist/7` the recipe's model, from the "
+    "working tree it was committed from)")}
+
+
+def readme(folder: Path) -> str:
+    """lessons/models/README.md: every model file of the folder, with the numbers of its metadata."""
+    sections = []
+    for path in sorted(folder.glob("*.safetensors")):
+        meta = load_checkpoint(path)[2]
+        if "provenance" not in meta:
+            continue
+        p = json.loads(meta["provenance"])
+        p.setdefault("use", USES.get(path.name, ""))
+        sections.append(section(path.name, p, path.stat().st_size))
+    return """# Trained models for the lessons
+
+Small models trained on Fashion-MNIST by `tinyvit train`, stored in float16. Each was made from its run's
+`best.safetensors` with
+
+    python data_scripts/make_lesson_model.py RUN_FOLDER --name NAME --use "..." --command "TRAINING COMMAND"
 
 which casts the weights to float16, keeps the run's dataset info (class names, mean, std), so that
-`tinyvit predict lessons/models/{name} IMAGE.png` and `tinyvit eval` work on it, records the numbers
-above in the file's metadata (`provenance`), and checks that the file's test accuracy is within 0.2 points
-of the run's best. `tests/test_lesson_model.py` checks that this page and the file agree.
-"""
+`tinyvit predict lessons/models/NAME.safetensors IMAGE.png` and `tinyvit eval` work on it, records the numbers
+below in the file's metadata (`provenance`), checks that the file's test accuracy is within 0.2 points of the
+run's best, and writes this page from the metadata of every file here. `tests/test_lesson_model.py` checks that
+this page and the files agree.
+
+""" + "\n".join(sections)
 
 
 def main(argv=None) -> int:
@@ -157,6 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("run", type=Path, help="the run folder (tinyvit train --out)")
     parser.add_argument("--out", type=Path, default=ROOT / "lessons" / "models",
                         help="folder for the file and its README.md (default: lessons/models)")
+    parser.add_argument("--name", default=None, help="the file's name without .safetensors (default: <dataset>-<model>)")
+    parser.add_argument("--use", default="", help="what the lessons use the model for (shown in the README)")
     parser.add_argument("--command", default=None, help="the training command to record (default: from config.json)")
     parser.add_argument("--machine", default=None, help="the machine it trained on (default: this one's CPUs)")
     parser.add_argument("--data-dir", default=None, help="where the dataset is (default: as tinyvit train finds it)")
@@ -169,13 +204,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.run}/best.safetensors has no dataset info; use a checkpoint tinyvit train wrote")
     cfg = model.config
     config = run["config"]
-    name = f"{config['dataset']}-{config['model'].replace('/', '-')}.safetensors"
+    name = (args.name or f"{config['dataset']}-{config['model'].replace('/', '-')}") + ".safetensors"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / name
 
     info = {"model": config["model"], "image_size": cfg.image_size, "patch_size": cfg.patch_size,
             "grid": cfg.grid_size, "dim": cfg.dim, "depth": cfg.depth, "heads": cfg.num_heads,
             "parameters": model.num_parameters(), "command": args.command or default_command(config),
+            "arch": "hybrid" if hasattr(cfg, "resnet_layers") else "vit", "use": args.use, "seed": config["seed"],
+            "model_args_text": ", ".join(f"{k}={v}" for k, v in (config.get("model_args") or {}).items()),
             "settings": settings(config),
             "machine": args.machine or default_machine(), "commit": commit(),
             "made": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
@@ -183,6 +220,10 @@ def main(argv=None) -> int:
                 "best_test_accuracy", "best_epoch", "final_test_accuracy", "epochs", "wall_seconds",
                 "training_seconds", "trained")}}
 
+    if info["arch"] == "hybrid":
+        info.update(resnet=(f"units {tuple(cfg.resnet_layers)}, root {cfg.resnet_root!r}, width factor "
+                            f"{cfg.resnet_width_factor:g}, {cfg.resnet_groups} GroupNorm groups"),
+                    stride=cfg.resnet_stride)
     model.to(dtype=np.float16)
     # first without the file's own accuracy (not known yet), then again with it
     tinyvit.save(model, path, metadata={"dataset": meta["dataset"], "epoch": meta.get("epoch", ""),
@@ -205,7 +246,7 @@ def main(argv=None) -> int:
     size = path.stat().st_size
     if size > MAX_BYTES:
         raise SystemExit(f"{path} is {size:,} bytes, over the {MAX_BYTES:,} allowed for a committed file")
-    (args.out / "README.md").write_text(readme(name, info, size))
+    (args.out / "README.md").write_text(readme(args.out))
     print(f"wrote {path} ({size:,} bytes) and {args.out / 'README.md'}")
     return 0
 
