@@ -29,6 +29,7 @@ BEGIN = "# --- your code here (a solution is filled in; replace it to try yourse
 END = "# --- end of your code ---"
 CELL_TIMEOUT = 300           # seconds per cell; a small-mode cell takes well under one
 MAX_KB = 300                 # a committed notebook, figures included
+MAX_SECONDS = 120            # a lesson's full run as committed, on a 2-core CPU (tools/run_lesson.py records it)
 KERNEL = "tinyvit-lessons"
 KERNEL_ENV = {"TINYVIT_LESSON_SMALL": "1", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
 
@@ -123,6 +124,24 @@ def test_lesson_structure(path):
     assert not unexecuted, f"{path.name}: code cells {unexecuted} have no outputs; commit the notebook executed"
     kb = path.stat().st_size / 1024
     assert kb < MAX_KB, f"{path.name} is {kb:.0f} KB; keep figures small (lower dpi or figsize)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
+def test_lesson_ran_in_under_two_minutes_as_committed(path):
+    """tools/run_lesson.py records the full run's wall time in the notebook's metadata (a lesson's last
+    cell may print it too: "lesson ran in X s"); a lesson that needs longer training loads stored
+    results instead (lessons/README.md)."""
+    nb = nbformat.read(path, as_version=4)
+    record = dict(nb.metadata.get("tinyvit", {}))
+    last_code = [cell for cell in nb.cells if cell.cell_type == "code"][-1:]
+    printed = [re.search(r"lesson ran in ([0-9.]+) s", output.get("text", "")) for cell in last_code
+               for output in cell.get("outputs", [])]
+    if printed and printed[-1]:
+        record.setdefault("ran_in_s", float(printed[-1].group(1)))
+    assert "ran_in_s" in record, f"{path.name}: no recorded run time; execute it with tools/run_lesson.py"
+    assert record["ran_in_s"] < MAX_SECONDS, (
+        f"{path.name} ran in {record['ran_in_s']:.0f} s as committed ({record.get('machine', 'machine not recorded')}), "
+        f"over {MAX_SECONDS} s; store the results of long runs (lessons/README.md)")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_name)
