@@ -18,7 +18,7 @@ The runs: the ViT and the CNN (`MODELS`) on 500, 2,000, 8,000 and 32,000 images,
 
 Results go to OUT/data_and_inductive_bias.json (one entry per run, written after every run, so an
 interrupted script continues where it stopped), with the settings, the machine, the BLAS threads and the
-commit. On a 2-core CPU the 16 runs take about seven minutes.
+commit. On a 2-core CPU the 16 runs take about nine minutes.
 """
 import argparse
 import copy
