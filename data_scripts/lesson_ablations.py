@@ -30,9 +30,6 @@ import argparse
 import copy
 import datetime as dt
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ from tinyvit import functional as F
 from tinyvit import optim
 from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.models import create
+from provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL = 2000                 # the last VAL training images: never trained on; the first 1,000 of them validate
@@ -132,14 +130,6 @@ def run(ds, order, settings):
     return result, model
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="posemb,pool,size", help="experiments to run (comma-separated)")
@@ -160,7 +150,7 @@ def main(argv=None) -> int:
         "out (1,000 validate), the test accuracy on all 10,000 test images",
         "training": f"AdamW, weight decay {WEIGHT_DECAY}, 10% warmup then cosine, clip 1, batch {BATCH}, no "
         "augmentation, early stopping on the validation accuracy",
-        "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})", "commit": commit()})
+        "machine": machine(), "commit": commit()})
     runs = store.setdefault("runs", {})
     arrays = dict(np.load(npz)) if npz.is_file() else {}
     for experiment, key, settings in experiments(pool):

@@ -25,8 +25,6 @@ import copy
 import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ from tinyvit import functional as F
 from tinyvit import nn, optim
 from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.models import create
+from provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL = 2000                 # the last VAL training images: never trained on; the first N_VAL of them validate
@@ -126,27 +125,6 @@ def run(ds, order, name, n, seed, settings=SETTINGS, n_test=None):
     return {**best, "train": accuracy(model, images[:2000], labels[:2000], to_input),
             "test": accuracy(model, test_x, test_y, to_input), "curve": curve,
             "seconds": round(seconds, 1), "ms_per_step": round(1e3 * seconds / steps, 1)}
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "data_scripts", "tinyvit"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return out + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core CPU ({cpu}), {platform.system()}, Python {platform.python_version()}, NumPy {np.__version__}"
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.io.arrays import save_arrays
 from tinyvit.models import ViT, ViTConfig, training_flops
 from tinyvit.models.hybrid import HybridConfig, HybridViT
+from provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (100, 300, 900)          # hybrid steps
@@ -119,14 +118,6 @@ def run(ds, name, budget, seed, batch_size=BATCH, n_test=None):
     return result, model
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "lessons" / "results")
@@ -149,7 +140,7 @@ def main(argv=None) -> int:
                          weight_decay=WEIGHT_DECAY, loss_every=LOSS_EVERY),
         "training": f"AdamW lr {LR:g}, weight decay {WEIGHT_DECAY}, 10% warmup then cosine to zero, clip 1, "
                     f"batch {BATCH}, no augmentation",
-        "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()})",
+        "machine": machine(),
         "load_average_at_start": None if load is None else [round(v, 2) for v in load],
         "commit": commit()})
     runs = store.setdefault("runs", {})

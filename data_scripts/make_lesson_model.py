@@ -21,9 +21,6 @@ The dataset must be on this machine (as for `tinyvit eval`; Debian: apt-get inst
 import argparse
 import datetime as dt
 import json
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from tinyvit.evaluation import check_fits, load_for_inference
 from tinyvit.io import load_checkpoint
 from tinyvit.evaluation import evaluate
 from tinyvit.training import load_data
+from provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,26 +78,6 @@ def settings(config: dict) -> str:
             f"epoch(s), cosine decay to {c['min_lr']:g}), weight decay {c['weight_decay']:g}, label smoothing "
             f"{c['label_smoothing']:g}, {augment or 'no augmentation'}, drop path {c['drop_path']:g}, "
             f"{c['precision']}, seed {c['seed']}")
-
-
-def default_machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core CPU ({name})"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def test_accuracy(path, dataset) -> float:
@@ -214,7 +192,7 @@ def main(argv=None) -> int:
             "arch": "hybrid" if hasattr(cfg, "resnet_layers") else "vit", "use": args.use, "seed": config["seed"],
             "model_args_text": ", ".join(f"{k}={v}" for k, v in (config.get("model_args") or {}).items()),
             "settings": settings(config),
-            "machine": args.machine or default_machine(), "commit": commit(),
+            "machine": args.machine or machine(), "commit": commit(),
             "made": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
             "wall_minutes": run["wall_seconds"] / 60, **{k: run[k] for k in (
                 "best_test_accuracy", "best_epoch", "final_test_accuracy", "epochs", "wall_seconds",
