@@ -1,7 +1,7 @@
 """Train the small runs behind lesson 14's ablations (the paper's appendix D.3, D.4 and section 4.3 in
 miniature) and store their results for the lesson to load:
 
-    python data_scripts/lesson_ablations.py [--only posemb,pool,size] [--out lessons/results]
+    python data_scripts/lesson_ablations.py [--only posemb,pool,size,scale] [--out lessons/results]
 
 Every run trains a small ViT on Fashion-MNIST the same way (the function `run` below): AdamW with weight
 decay 0.05 (none on biases, norms, position embeddings and the class token), 10% linear warmup then
@@ -19,12 +19,16 @@ The experiments (each run with seeds 0 and 1; a seed fixes the initial weights a
   learning rates 1e-3 and 4e-3, 800 steps, the validation accuracy at every evaluation stored (the curve);
 * size (section 4.3, Figure 3): a small (D = 32, 2 blocks of 2 heads, D_mlp = 64) and a large (D = 96,
   6 blocks of 4 heads, D_mlp = 192) `vit-mnist/7` trained for the same 1,200 steps on nested random
-  subsets of 1,000, 4,000, 16,000 and all 58,000 training images.
+  subsets of 1,000, 4,000, 16,000 and all 58,000 training images;
+* scale (appendix D.2, Figure 8): `vit-mnist/7` with D = 64, 4 blocks of 4 heads, D_mlp = 128 (a 4x4 grid
+  of 16 patches), and the same model with one dimension halved or doubled: depth 2 or 8, width D = 32 or
+  128 (heads of 16 dimensions, D_mlp = 2D), or patches of 4 instead of 7 pixels (a 7x7 grid of 49 tokens,
+  no new parameters but the position table); 800 steps on the 58,000 training images.
 
 Results go to OUT/ablations.json (one entry per run, written after every run, so an interrupted script
 continues where it stopped) and the position embeddings to OUT/ablations-posemb.npz (float16). The
 machine, the commit and the time of every run are recorded. On a 2-core CPU the whole script takes
-about 35 minutes (one BLAS thread).
+about 45 minutes (one BLAS thread).
 """
 import argparse
 import copy
@@ -53,6 +57,10 @@ SEEDS = (0, 1)
 BASE = dict(name="vit-mnist/4", dim=64, depth=4, num_heads=4, mlp_dim=128)
 SIZES = {"small": dict(name="vit-mnist/7", dim=32, depth=2, num_heads=2, mlp_dim=64),
          "large": dict(name="vit-mnist/7", dim=96, depth=6, num_heads=4, mlp_dim=192)}
+SCALE_BASE = dict(name="vit-mnist/7", dim=64, depth=4, num_heads=4, mlp_dim=128)
+SCALES = {"base": {}, "depth=2": dict(depth=2), "depth=8": dict(depth=8),
+          "width=32": dict(dim=32, num_heads=2, mlp_dim=64), "width=128": dict(dim=128, num_heads=8, mlp_dim=256),
+          "patch=4": dict(name="vit-mnist/4")}
 
 
 def experiments(full_pool):
@@ -72,6 +80,10 @@ def experiments(full_pool):
             for size, model in SIZES.items():
                 runs.append(("size", f"size={size} n={n} seed={seed}",
                              dict(model=model, n=n, steps=1200, lr=2e-3, seed=seed, evals=6)))
+    for seed in SEEDS:
+        for label, change in SCALES.items():
+            runs.append(("scale", f"scale={label} seed={seed}",
+                         dict(model={**SCALE_BASE, **change}, n=full_pool, steps=800, lr=2e-3, seed=seed, evals=4)))
     return runs
 
 
@@ -132,7 +144,7 @@ def run(ds, order, settings):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="posemb,pool,size", help="experiments to run (comma-separated)")
+    parser.add_argument("--only", default="posemb,pool,size,scale", help="experiments to run (comma-separated)")
     parser.add_argument("--out", type=Path, default=ROOT / "lessons" / "results")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
@@ -158,6 +170,7 @@ def main(argv=None) -> int:
             continue
         result, model = run(ds, order, settings)
         result["experiment"] = experiment
+        result["commit"] = commit()                                   # runs added later may come from a later commit
         runs[key] = result
         print(f"{key:36s} test {100 * result['test']:5.2f}%  (final {100 * result['final_test']:5.2f}%, best step "
               f"{result['best_step']}, train {100 * result['train']:5.1f}%)  {result['seconds']:6.0f} s", flush=True)
