@@ -23,7 +23,8 @@ The experiments (each run with seeds 0 and 1; a seed fixes the initial weights a
 * scale (appendix D.2, Figure 8): `vit-mnist/7` with D = 64, 4 blocks of 4 heads, D_mlp = 128 (a 4x4 grid
   of 16 patches), and the same model with one dimension halved or doubled: depth 2 or 8, width D = 32 or
   128 (heads of 16 dimensions, D_mlp = 2D), or patches of 4 instead of 7 pixels (a 7x7 grid of 49 tokens,
-  no new parameters but the position table); 800 steps on the 58,000 training images.
+  3.2 times the FLOPs, the same number of parameters: E shrinks as much as the position table grows); 800
+  steps on the 58,000 training images.
 
 Results go to OUT/ablations.json (one entry per run, written after every run, so an interrupted script
 continues where it stopped) and the position embeddings to OUT/ablations-posemb.npz (float16). The
