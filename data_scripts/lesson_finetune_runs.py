@@ -37,8 +37,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +54,7 @@ from tinyvit.models.masked import MaskedConfig, MaskedPatchViT
 from tinyvit.models.posemb import resize_pos_embed
 from tinyvit.training import MaskedPrediction, prepare_finetune
 from tinyvit.training.components import resize_images
+from provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 ENCODER = dict(patch_size=7, dim=64, depth=3, num_heads=4, mlp_dim=128)
@@ -207,24 +206,6 @@ def fine_tune(t, checkpoint, seed, size=None, posemb="interpolated", steps=FT_ST
     seconds = time.perf_counter() - t0
     return dict(test=accuracy(model, test_x, test_y, to_input), curve=curve, steps=steps, size=size, posemb=posemb,
                 seed=seed, n_test=len(test_y), n_curve=min(n_curve, len(test_y)), seconds=round(seconds, 1))
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core CPU ({name}), {platform.system()}"
 
 
 def main(argv=None) -> int:
