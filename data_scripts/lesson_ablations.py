@@ -46,7 +46,7 @@ from tinyvit import functional as F
 from tinyvit import optim
 from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.models import create
-from provenance import commit, machine
+from lesson_runs import accuracy, commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL = 2000                 # the last VAL training images: never trained on; the first 1,000 of them validate
@@ -86,14 +86,6 @@ def experiments(full_pool):
             runs.append(("scale", f"scale={label} seed={seed}",
                          dict(model={**SCALE_BASE, **change}, n=full_pool, steps=800, lr=2e-3, seed=seed, evals=4)))
     return runs
-
-
-def accuracy(model, images, labels, to_input):
-    model.eval()
-    with tv.no_grad():
-        preds = np.concatenate([model(x).data.argmax(-1) for x, _ in DataLoader(images, labels, 500, transform=to_input)])
-    model.train()
-    return float((preds == labels).mean())
 
 
 def run(ds, order, settings):

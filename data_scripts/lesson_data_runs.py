@@ -36,7 +36,7 @@ from tinyvit import functional as F
 from tinyvit import nn, optim
 from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.models import create
-from provenance import commit, machine
+from lesson_runs import accuracy, commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL = 2000                 # the last VAL training images: never trained on; the first N_VAL of them validate
@@ -77,15 +77,6 @@ MODELS = {                 # name -> a function of (in_channels, num_classes, im
     "ViT": lambda **sized: create("vit-mnist/7", **sized, dim=64, depth=3, mlp_dim=128),
     "CNN": lambda **sized: SmallCNN(**sized),
 }
-
-
-def accuracy(model, images, labels, to_input):
-    """Accuracy on uint8 images, in eval mode, without building a graph."""
-    model.eval()
-    with tv.no_grad():
-        preds = np.concatenate([model(x).data.argmax(-1) for x, _ in DataLoader(images, labels, 500, transform=to_input)])
-    model.train()
-    return float((preds == labels).mean())
 
 
 def run(ds, order, name, n, seed, settings=SETTINGS, n_test=None):

@@ -54,7 +54,7 @@ from tinyvit.models.masked import MaskedConfig, MaskedPatchViT
 from tinyvit.models.posemb import resize_pos_embed
 from tinyvit.training import MaskedPrediction, prepare_finetune
 from tinyvit.training.components import resize_images
-from provenance import commit, machine
+from lesson_runs import accuracy, commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 ENCODER = dict(patch_size=7, dim=64, depth=3, num_heads=4, mlp_dim=128)
@@ -91,15 +91,6 @@ def tasks(ds, n_pre_test=N_PRE_TEST, n_down_test=None):
                 pre_test_x=ds.test_images[up_test], pre_test_y=ds.test_labels[up_test],
                 down_x=ds.train_images[chosen], down_y=ds.train_labels[chosen] - half,
                 down_test_x=ds.test_images[down_test], down_test_y=ds.test_labels[down_test] - half)
-
-
-def accuracy(model, images, labels, to_input):
-    """Accuracy on uint8 images, in eval mode, without building a graph."""
-    model.eval()
-    with tv.no_grad():
-        preds = np.concatenate([model(x).data.argmax(-1) for x, _ in DataLoader(images, labels, 500, transform=to_input)])
-    model.train()
-    return float((preds == labels).mean())
 
 
 def train_steps(model, images, labels, steps, lr, loss_fn, to_input, batch_size=BATCH, seed=0, every=None,

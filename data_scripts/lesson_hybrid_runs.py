@@ -38,7 +38,7 @@ from tinyvit.data import Augment, DataLoader, load_dataset
 from tinyvit.io.arrays import save_arrays
 from tinyvit.models import ViT, ViTConfig, training_flops
 from tinyvit.models.hybrid import HybridConfig, HybridViT
-from provenance import commit, machine
+from lesson_runs import accuracy, commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (100, 300, 900)          # hybrid steps
@@ -57,15 +57,6 @@ def configs(ds):
     return {"ViT": ViTConfig(patch_size=4, **transformer),
             "hybrid": HybridConfig(patch_size=1, resnet_layers=(1,), resnet_width_factor=0.25, resnet_groups=8,
                                    resnet_root="bit", **transformer)}
-
-
-def accuracy(model, images, labels, to_input):
-    model.eval()
-    with tv.no_grad():
-        preds = np.concatenate([model(x).data.argmax(-1) for x, _ in
-                                DataLoader(images, labels, 500, transform=to_input)])
-    model.train()
-    return float((preds == labels).mean())
 
 
 def epochs(loader):

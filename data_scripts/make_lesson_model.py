@@ -32,7 +32,7 @@ from tinyvit.evaluation import check_fits, load_for_inference
 from tinyvit.io import load_checkpoint
 from tinyvit.evaluation import evaluate
 from tinyvit.training import load_data
-from provenance import commit, machine
+from lesson_runs import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""Where a stored result came from: the commit and the machine, recorded by every script in
-data_scripts/ that trains something for the lessons (make_lesson_model.py, lesson_*.py)."""
+"""What the scripts in data_scripts/ that train for the lessons (make_lesson_model.py, lesson_*.py)
+share: how they measure accuracy, and where a stored result came from (the commit and the machine)."""
 import os
 import platform
 import subprocess
@@ -7,7 +7,20 @@ from pathlib import Path
 
 import numpy as np
 
+import tinyvit as tv
+from tinyvit.data import DataLoader
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def accuracy(model, images, labels, to_input) -> float:
+    """Accuracy on uint8 images (N, C, H, W) with integer labels, in eval mode, without building a graph;
+    to_input (an Augment) normalises each batch of 500."""
+    model.eval()
+    with tv.no_grad():
+        preds = np.concatenate([model(x).data.argmax(-1) for x, _ in DataLoader(images, labels, 500, transform=to_input)])
+    model.train()
+    return float((preds == labels).mean())
 
 
 def commit() -> str:
