@@ -98,6 +98,8 @@ def test_patch_embed_equals_reference(xp, monkeypatch, dtype, shape, p, d, bias,
     assert_equal_results(got, want, TOL[dtype], ["images", "w", "b"])
 
 
+@pytest.mark.skipif(not cupy_standin.available(), reason="the CuPy stand-in takes its names from the cupy package, "
+                    "which is not installed (pip install 'tinyvit[cuda-compile]'; no GPU needed)")
 def test_every_product_is_one_2d_gemm(monkeypatch):
     """On CuPy arrays (the stand-in here) forward and backward of both kernels multiply only 2-D
     matrices: the leading axes are folded into rows, never a batched matmul over them."""
