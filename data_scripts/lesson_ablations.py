@@ -143,8 +143,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
 
-    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False) if args.data_dir else \
-        load_dataset("fashion-mnist", download=False)
+    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False)     # root None: the default folder
     pool = len(ds.train_images) - VAL
     order = np.random.default_rng(1).permutation(pool)                # subset of size n: its first n images
     args.out.mkdir(parents=True, exist_ok=True)

@@ -205,8 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
 
-    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False) if args.data_dir else \
-        load_dataset("fashion-mnist", download=False)
+    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False)     # root None: the default folder
     t = tasks(ds)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "finetune.json"

@@ -115,8 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
 
-    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False) if args.data_dir else \
-        load_dataset("fashion-mnist", download=False)
+    ds = load_dataset("fashion-mnist", root=args.data_dir, download=False)     # root None: the default folder
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "hybrid_vs_vit.json"
     store = json.loads(path.read_text()) if path.is_file() else {}
