@@ -26,11 +26,15 @@ When something goes wrong:
                        the other ranks hold theirs back a moment and are ended with the job), else one
                        naming the rank; then every rank ends (MPI_Abort). Open MPI's mpirun adds its own
                        banner; `mpirun -q` (--quiet) leaves it out.
-    Ctrl-C, SIGTERM    each rank saves as one process does (rank 0 writes latest.safetensors) and exits
-                       130 / 143 / 129, which mpirun returns when the signal reached the ranks (a scheduler
-                       such as SLURM signals every task). Open MPI's mpirun, when it is itself signalled,
-                       forwards the signal and exits 1 whatever the ranks return (4.1: nothing in the ranks
-                       changes that); the checkpoint is saved either way.
+    Ctrl-C, SIGTERM    a rank cannot stop where it stands (the others would wait for it, or it would end
+    and SIGHUP         them before rank 0 has saved): the signal is noted, and at the next check (every
+                       20 steps, and after each epoch) the ranks share what they received; if any rank
+                       has a signal, all stop at that step, rank 0 saves latest.safetensors as one process
+                       does while the others wait, and each exits 130 / 143 / 129, which mpirun returns
+                       (a scheduler such as SLURM signals every task; one rank signalled is enough).
+                       A second signal stops a rank at once (the last checkpoint kept). Open MPI's mpirun,
+                       when it is itself signalled, forwards the signal and exits 1 whatever the ranks
+                       return (4.1: nothing in the ranks changes that); the checkpoint is saved either way.
     a stopped rank     (SIGSTOP, Ctrl-Z in its terminal, a debugger) or a hung one: the others would wait
                        in the next collective for ever, since MPI has no timeout. Each rank watches its
                        waits: after TINYVIT_COLLECTIVE_TIMEOUT seconds (default 900; 0: for ever) in one

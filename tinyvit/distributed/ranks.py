@@ -74,6 +74,7 @@ class World:
     """One process, rank 0 of 1: every collective is the identity, so the training loop calls them
     unconditionally and a single process pays nothing for them."""
     rank, size, local_rank, local_size = 0, 1, 0, 1
+    parted = False        # every rank has left the run at the same point (part): none waits for another
 
     @property
     def writer(self) -> bool:
@@ -118,6 +119,12 @@ class World:
 
     def barrier(self) -> None:
         """Wait until every rank is here (benchmarks start their timed steps together)."""
+
+    def part(self) -> None:
+        """Wait until every rank is here, at the end of the run (rank 0 has saved a stopped run), after
+        which the ranks exit each with its status and no abort: none is left waiting in a collective."""
+        self.barrier()
+        self.parted = True
 
     def abort(self, status: int) -> None:
         """End every rank now with ``status`` (nothing to do for one process)."""
@@ -307,6 +314,7 @@ def _from_environment() -> World:
 def abort_if_running(status: int) -> None:
     """End every rank with ``status`` when this process has joined other ranks (MPI started), since
     they may be waiting for it in a collective; return otherwise. A rank that fails before MPI
-    starts needs none of this: mpirun ends the whole job when a process exits with an error."""
-    if _world is not None and _world.size > 1:
+    starts needs none of this: mpirun ends the whole job when a process exits with an error; nor do
+    ranks that parted together (World.part): an abort would end rank 0 before its output is out."""
+    if _world is not None and _world.size > 1 and not _world.parted:
         _world.abort(status)

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import math
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +56,7 @@ from .progress import progress_bar as _progress_bar       # tqdm on a terminal, 
 from .run_folder import (RunFolderLock, append_row, check_resume, check_run_folder, dataset_metadata, last_good,
                          log_interval, read_log, save_training_checkpoint, unflatten_optimizer, write_config)
 from .saved_state import check_state_fits, damaged, read_training_state, saved_plan
-from .signals import Stopped, ctrl_c_after_block, stop_signals_interrupt
+from .signals import ctrl_c_after_block, stop_signals_interrupt, stop_together
 
 
 class TrainingDiverged(RuntimeError):
@@ -70,8 +71,10 @@ def train(cfg: TrainConfig, model=None, objective=None, progress: bool = True,
     to check that resuming gives the same weights).
 
     For the whole call the run folder is locked (run_folder.RunFolderLock) and SIGTERM and SIGHUP
-    raise ``Stopped``, a KeyboardInterrupt: the run saves and stops as on Ctrl-C."""
-    with contextlib.ExitStack() as held, stop_signals_interrupt():     # held: released however train ends
+    raise ``Stopped``, a KeyboardInterrupt: the run saves and stops as on Ctrl-C. Among several ranks
+    (mpirun) the three stop every rank at the same step, the next check (signals.stop_together)."""
+    several_ranks = distributed.launched_size() > 1
+    with contextlib.ExitStack() as held, stop_signals_interrupt(several_ranks):     # held: released however train ends
         return _train(cfg, model, objective, progress, stop_after_epoch, log, held)
 
 
@@ -254,13 +257,17 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                     + ("" if epoch == plan.epochs else f"  ({clock.describe(sched.step_count)})"))
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
+                if world.size > 1:                        # a signal that came during the evaluation
+                    stop_together(world)
         except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
-            why = f"stopped by {stop}" if isinstance(stop, Stopped) else "interrupted"
+            why = "interrupted" if getattr(stop, "signum", signal.SIGINT) == signal.SIGINT else f"stopped by {stop}"
             if checkpoint():
                 log(f"\n{why}: saved {latest}; continue with the same command plus --resume")
             else:
                 log(f"\n{why}: the weights are not finite any more (the loss diverged after its last check), so the "
                     f"checkpoint was not saved. {last_good(latest)}")
+            if getattr(stop, "together", False):
+                world.part()                              # the others wait until rank 0 has saved
             raise
     result = {**(history[-1] if history else {}), "best_acc": state["best_acc"], "best_epoch": state.get("best_epoch"),
               "metric": metric, "seconds": clock.elapsed(), "out": str(out)}
@@ -419,6 +426,8 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
                 resume_at = _resume_point(loader)
             last_step = step_in_epoch == steps_here
             if step_in_epoch % CHECK_EVERY == 0 or last_step:
+                if world.size > 1:                   # every rank is at this step: stop here if any was signalled
+                    stop_together(world)
                 t = totals()
                 mean_loss = t["loss"] / t["seen"]
                 if not math.isfinite(mean_loss):
@@ -433,9 +442,10 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
                 bar.update(1)
             if last_step and steps_here < len(loader):       # the plan ends inside this epoch
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         _go_back_to(loader, resume_at)  # the step in progress is lost: a resume does it again
-        state["partial"] = totals(across_ranks=False)     # the interrupted epoch's sums go into the checkpoint
+        # the interrupted epoch's sums go into the checkpoint: every rank's when they stopped together
+        state["partial"] = totals(across_ranks=getattr(stop, "together", False))
         raise
     finally:
         if bar is not None:
