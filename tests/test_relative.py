@@ -14,7 +14,7 @@ from tinyvit import backend, io, nn
 from tinyvit.backend import to_numpy
 from tinyvit.gradcheck import gradcheck
 from tinyvit.kernels.fusion import why_not
-from tinyvit.models import ViT, ViTConfig, create
+from tinyvit.models import ViTConfig, create
 from tinyvit.nn.relative import relative_logits
 
 
