@@ -13,8 +13,9 @@ paper's section 4.3 does); the test accuracy of those weights is measured on all
 The experiments (each run with seeds 0 and 1; a seed fixes the initial weights and the order of the images):
 
 * posemb (appendix D.4, Table 8): `vit-mnist/4` with D = 64, 4 blocks of 4 heads, D_mlp = 128 (a 7x7
-  grid of 49 patches), with no position embedding, learned 1-D, learned 2-D and fixed sin-cos 2-D,
-  800 steps on the 58,000 training images; the final position embeddings are stored too;
+  grid of 49 patches), with no position embedding, learned 1-D, learned 2-D, fixed sin-cos 2-D and
+  relative (a learned bias of every layer's attention logits, nn.RelativeMultiHeadAttention), 800 steps
+  on the 58,000 training images; the final absolute position embeddings are stored too;
 * pool (appendix D.3, Figure 9): the same model with the class token or global average pooling, each at
   learning rates 1e-3 and 4e-3, 800 steps, the validation accuracy at every evaluation stored (the curve);
 * size (section 4.3, Figure 3): a small (D = 32, 2 blocks of 2 heads, D_mlp = 64) and a large (D = 96,
@@ -68,7 +69,7 @@ def experiments(full_pool):
     """Every run: (experiment, key, settings). A key names a run in ablations.json."""
     runs = []
     for seed in SEEDS:
-        for posemb in ("none", "learned-1d", "learned-2d", "sincos-2d"):
+        for posemb in ("none", "learned-1d", "learned-2d", "sincos-2d", "relative"):
             runs.append(("posemb", f"posemb={posemb} seed={seed}",
                          dict(model={**BASE, "posemb": posemb}, n=full_pool, steps=800, lr=2e-3, seed=seed, evals=4)))
     for seed in SEEDS:
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
         runs[key] = result
         print(f"{key:36s} test {100 * result['test']:5.2f}%  (final {100 * result['final_test']:5.2f}%, best step "
               f"{result['best_step']}, train {100 * result['train']:5.1f}%)  {result['seconds']:6.0f} s", flush=True)
-        if experiment == "posemb" and settings["model"]["posemb"] != "none":
+        if experiment == "posemb" and settings["model"]["posemb"] not in ("none", "relative"):   # an E_pos table
             table = model.position_embedding(np, np.float32)
             table = table.numpy() if hasattr(table, "numpy") else np.asarray(table)
             arrays[key] = table[0].astype(np.float16)                 # (1 + N, D): the class token's row first

@@ -286,7 +286,12 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def param_groups_weight_decay(model, weight_decay: float, skip=("cls_token", "pos_embed", "dist_token")):
+# Position embeddings of every kind (learned 1-D, the 2-D row and column tables, the relative tables
+# of each block) and the class token: no weight decay, as timm's no_weight_decay() names them.
+NO_WEIGHT_DECAY = ("cls_token", "pos_embed", "pos_embed_row", "pos_embed_col", "rel_pos", "dist_token")
+
+
+def param_groups_weight_decay(model, weight_decay: float, skip=NO_WEIGHT_DECAY):
     """Two parameter groups, as timm: [{"params": no_decay, "weight_decay": 0.0},
     {"params": decay, "weight_decay": weight_decay}]. No decay for biases and norm weights (every
     parameter with at most one axis) and for parameters named in ``skip`` (matched on the full dotted

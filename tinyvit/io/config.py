@@ -55,6 +55,9 @@ def config_from_state_dict(state: Mapping, patch_size: int, in_channels: int, **
         cfg["posemb"] = "learned-2d"
         gh, gw = state["pos_embed_row"].shape[0], state["pos_embed_col"].shape[0]
         grid = gh * gw if gh == gw else -1
+    elif "blocks.0.attn.rel_pos" in state:                            # (2T - 1, D): T tokens
+        cfg["posemb"] = "relative"
+        grid = (state["blocks.0.attn.rel_pos"].shape[0] + 1) // 2 - (1 if cfg["pool"] == "token" else 0)
     else:
         cfg["posemb"], grid = "none", None
     if grid is not None and "image_size" not in overrides:
@@ -100,7 +103,7 @@ def hybrid_config_from_state_dict(state: Mapping, **overrides):
                                  **{k: v for k, v in overrides.items() if k in vit_names})
     cfg = dict(dataclasses.asdict(vit), patch_size=patch, in_channels=int(root.shape[1]), resnet_layers=layers,
                resnet_width_factor=width_factor, resnet_root=kind)
-    if vit.posemb in ("learned-1d", "learned-2d"):                      # the grid is in the weights
+    if vit.posemb in ("learned-1d", "learned-2d", "relative"):          # the grid is in the weights
         cfg["image_size"] = vit.image_size * resnet.total_stride(layers, kind)
     else:
         cfg["image_size"] = HybridConfig.image_size
@@ -206,6 +209,8 @@ def _vit_shapes(cfg):
     for i in range(cfg.depth):
         yield from _norm(f"blocks.{i}.norm1", d)
         yield from _linear(f"blocks.{i}.attn.qkv", d, 3 * d, bias=cfg.qkv_bias)
+        if cfg.posemb == "relative":
+            yield f"blocks.{i}.attn.rel_pos", (2 * (cfg.num_prefix_tokens + cfg.num_patches) - 1, d)
         yield from _linear(f"blocks.{i}.attn.proj", d, d)
         yield from _norm(f"blocks.{i}.norm2", d)
         yield from _linear(f"blocks.{i}.mlp.fc1", d, cfg.mlp_dim)

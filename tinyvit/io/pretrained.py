@@ -116,6 +116,12 @@ def adapt_state_dict(state: Mapping, old, new, resize_method: str = "bilinear") 
     state = {k: v for k, v in state.items() if not k.startswith(tuple(reset))}
 
     old_grid, new_grid = old.grid_size, new.grid_size        # patches per side (hybrids: of the feature map)
+    if old_grid != new_grid and new.posemb == "relative":
+        # a table per offset of a 1-D raster order: at another grid the same offset joins other pairs
+        # of patches, and the paper (appendix D.4) fine-tunes no such model at another resolution
+        raise ValueError(f"relative position embeddings cover the {old_grid}x{old_grid} patch grid of "
+                         f"image_size={old.image_size}; they cannot be carried to a {new_grid}x{new_grid} grid: "
+                         f"keep image_size={old.image_size}")
     if old_grid != new_grid:
         if "pos_embed" in state and new.posemb == "learned-1d":
             prefix = 1 if new.pool == "token" else 0

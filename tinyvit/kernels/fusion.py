@@ -54,6 +54,8 @@ def why_not(model) -> str | None:
     vit = model.vit if isinstance(model, MaskedPatchViT) else model
     if not isinstance(vit, ViT):
         return f"{type(model).__name__} is not a ViT"
+    if getattr(vit.config, "posemb", None) == "relative":
+        return "its attention carries relative position embeddings (appendix D.4), a bias no fused kernel adds"
     if not (len(vit.blocks) and _plain(vit.norm, nn.LayerNorm) and all(_standard_block(b) for b in vit.blocks)):
         return "its encoder is not made of the standard blocks and layers (a subclass or a replaced forward)"
     return None

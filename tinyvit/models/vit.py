@@ -20,7 +20,7 @@ from ..backend import get_array_module, get_default_dtype
 from .posemb import sincos_2d
 
 POOLS = ("token", "gap")
-POSEMBS = ("learned-1d", "learned-2d", "sincos-2d", "none")
+POSEMBS = ("learned-1d", "learned-2d", "sincos-2d", "relative", "none")
 SIZES = ("image_size", "patch_size", "in_channels", "dim", "depth", "num_heads", "mlp_dim")   # each >= 1
 
 
@@ -46,7 +46,7 @@ class ViTConfig:
     num_heads: int = 12
     mlp_dim: int = 3072
     pool: str = "token"             # "token": class token (Eq. 4); "gap": mean of patch tokens
-    posemb: str = "learned-1d"      # appendix D.4's variants
+    posemb: str = "learned-1d"      # appendix D.4's variants ("relative": a bias in each layer's attention)
     representation_size: int | None = None  # pre-training head's tanh hidden layer (None: off)
     qkv_bias: bool = True
     dropout: float = 0.0
@@ -121,6 +121,8 @@ class ViTConfig:
         elif self.posemb == "learned-2d":
             total += 2 * self.grid_size * (d // 2)
         per_block = 4 * d                                               # two LayerNorms
+        if self.posemb == "relative":                                   # a table of 2T - 1 offsets per block
+            per_block += (2 * (n + self.num_prefix_tokens) - 1) * d
         per_block += d * 3 * d + (3 * d if self.qkv_bias else 0)         # qkv
         per_block += d * d + d                                          # output projection
         per_block += 2 * d * self.mlp_dim + self.mlp_dim + d              # MLP
@@ -140,6 +142,8 @@ class ViTConfig:
         flops = 2 * self.num_patches * self.in_channels * self.patch_size ** 2 * d   # patch embedding
         per_block = 2 * t * d * 3 * d          # qkv
         per_block += 2 * 2 * t * t * d         # q k^T and A v over all heads
+        if self.posemb == "relative":
+            per_block += 2 * t * (2 * t - 1) * d   # each query against the 2T - 1 offset embeddings
         per_block += 2 * t * d * d             # output projection
         per_block += 2 * 2 * t * d * self.mlp_dim
         flops += self.depth * per_block
@@ -187,8 +191,13 @@ class Block(nn.Module):
     def __init__(self, cfg: ViTConfig, drop_path: float):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.ln_eps)
-        self.attn = nn.MultiHeadAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias,
-                                          attn_dropout=cfg.attn_dropout, proj_dropout=cfg.dropout)
+        if cfg.posemb == "relative":      # appendix D.4: a position bias in every layer's logits
+            tokens = cfg.num_patches + cfg.num_prefix_tokens
+            self.attn = nn.RelativeMultiHeadAttention(cfg.dim, cfg.num_heads, tokens, qkv_bias=cfg.qkv_bias,
+                                                      attn_dropout=cfg.attn_dropout, proj_dropout=cfg.dropout)
+        else:
+            self.attn = nn.MultiHeadAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias,
+                                              attn_dropout=cfg.attn_dropout, proj_dropout=cfg.dropout)
         self.drop_path = nn.DropPath(drop_path)
         self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.ln_eps)
         self.mlp = nn.MLP(cfg.dim, cfg.mlp_dim, dropout=cfg.dropout, approximate=cfg.gelu_approximate)
@@ -279,7 +288,8 @@ class ViT(nn.Module):
         return self.patch_embed(images)
 
     def position_embedding(self, xp, dtype):
-        """E_pos for the patch tokens and the class token: (1, num_prefix + N, D), or None."""
+        """E_pos for the patch tokens and the class token: (1, num_prefix + N, D), or None (posemb "none",
+        and "relative", whose embeddings are in each block's attention: nn.RelativeMultiHeadAttention)."""
         cfg = self.config
         if cfg.posemb == "learned-1d":
             return self.pos_embed

@@ -7,9 +7,11 @@ from . import init
 from .layers import (GELU, MLP, Conv2d, Dropout, DropPath, GroupNorm, LayerNorm, Linear, MultiHeadAttention,
                      ReLU, Tanh)
 from .module import Identity, Module, ModuleList, Parameter, Sequential
+from .relative import RelativeMultiHeadAttention
 
 __all__ = [
     "Parameter", "Module", "Sequential", "ModuleList", "Identity",
-    "Linear", "LayerNorm", "GELU", "ReLU", "Tanh", "Dropout", "DropPath", "MultiHeadAttention", "MLP",
+    "Linear", "LayerNorm", "GELU", "ReLU", "Tanh", "Dropout", "DropPath", "MultiHeadAttention",
+    "RelativeMultiHeadAttention", "MLP",
     "Conv2d", "GroupNorm", "init",
 ]
