@@ -91,13 +91,13 @@ class RelativeMultiHeadAttention(Module):
             raise ValueError(f"relative position embeddings cover sequences of {self.tokens} tokens, got {t}: "
                              "a model with relative position embeddings takes one image size")
         h, dh = self.num_heads, self.head_dim
-        qkv = F.permute(F.reshape(self.qkv(x), (b, t, 3, h, dh)), (2, 0, 3, 1, 4))     # (3, B, H, T, D_h)
+        qkv = F.permute(F.reshape(self.qkv(x), (b, t, 3, h, dh)), (2, 0, 3, 1, 4))   # (3, B, H, T, D_h), Eq. 5
         q, k, v = qkv[0], qkv[1], qkv[2]
-        keys = F.permute(F.reshape(self.rel_pos, (2 * t - 1, h, dh)), (1, 2, 0))       # (H, D_h, 2T - 1)
-        content = F.matmul(q, F.permute(k, (0, 1, 3, 2)))                                # q k^T, (B, H, T, T)
-        position = relative_logits(F.matmul(q, keys), t)                              # q_i . r_{i-j}
-        attn = F.softmax((content + position) * (1.0 / math.sqrt(dh)), axis=-1)       # Eq. 6 plus the bias
-        ctx = F.matmul(self.attn_drop(attn), v)                                        # Eq. 7, (B, H, T, D_h)
+        keys = F.permute(F.reshape(self.rel_pos, (2 * t - 1, h, dh)), (1, 2, 0))     # (H, D_h, 2T - 1)
+        content = F.matmul(q, F.permute(k, (0, 1, 3, 2)))                            # q_i . k_j, (B, H, T, T)
+        position = relative_logits(F.matmul(q, keys), t)                            # q_i . r_{i-j}, (B, H, T, T)
+        attn = F.softmax((content + position) * (1.0 / math.sqrt(dh)), axis=-1)     # Eq. 6 plus the bias
+        ctx = F.matmul(self.attn_drop(attn), v)                                      # Eq. 7, (B, H, T, D_h)
         out = self.proj_drop(self.proj(F.reshape(F.permute(ctx, (0, 2, 1, 3)), (b, t, d))))   # Eq. 8
         return (out, attn) if return_attention else out
 
