@@ -88,10 +88,12 @@ def test_a_zero_table_is_the_standard_attention_forward_and_backward(rng):
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_gradcheck_every_input(rng, tokens):
-    """Finite differences in float64, a random upstream gradient, on x and every parameter."""
+def test_gradcheck_every_input(rng, tokens, xp):
+    """Finite differences in float64, a random upstream gradient, on x and every parameter (on the
+    CPU, on the CuPy stand-in, and on a GPU where there is one)."""
     attn = relative_attention(tokens=tokens)
-    x = tv.Tensor(rng.standard_normal((2, tokens, 8)), requires_grad=True)
+    attn.to(device="cpu" if xp is np else "cuda")
+    x = tv.Tensor(xp.asarray(rng.standard_normal((2, tokens, 8))), requires_grad=True)
     params = list(attn.parameters())
     result = gradcheck(lambda x_, *ps: attn(x_), [x, *params])
     assert result.ok and result.checked == x.size + sum(p.size for p in params)
