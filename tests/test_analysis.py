@@ -189,6 +189,10 @@ def test_similarity_needs_position_embeddings():
                           posemb="none"))
     with pytest.raises(ValueError, match="no position embeddings"):
         position_embedding_similarity(model)
+    relative = ViT(ViTConfig(image_size=8, patch_size=4, dim=8, depth=1, num_heads=2, mlp_dim=8, num_classes=2,
+                             posemb="relative"))
+    with pytest.raises(ValueError, match="relative .*not a table of one per patch"):
+        position_embedding_similarity(relative)
 
 
 # ====================================================================== 4. embedding filters

@@ -187,6 +187,9 @@ def position_embedding_similarity(source, grid_size=None, num_prefix_tokens=None
         param = _array(next(iter(source.parameters())))
         with no_grad():
             source = source.position_embedding(get_array_module(param), param.dtype)
+        if source is None and cfg.posemb == "relative":
+            raise ValueError("the model's position embeddings are relative (posemb='relative': one per offset, "
+                             "inside each layer's attention), not a table of one per patch to compare")
         if source is None:
             raise ValueError(f"the model has no position embeddings (posemb={cfg.posemb!r})")
         grid_size = cfg.grid_size if grid_size is None else grid_size
