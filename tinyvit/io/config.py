@@ -202,7 +202,7 @@ def _vit_shapes(cfg):
     if cfg.pool == "token":
         yield "cls_token", (1, 1, d)
     if cfg.posemb == "learned-1d":
-        yield "pos_embed", (1, cfg.num_prefix_tokens + cfg.num_patches, d)
+        yield "pos_embed", (1, cfg.num_tokens, d)
     elif cfg.posemb == "learned-2d":
         yield "pos_embed_row", (cfg.grid_size, d // 2)
         yield "pos_embed_col", (cfg.grid_size, d // 2)
@@ -210,7 +210,7 @@ def _vit_shapes(cfg):
         yield from _norm(f"blocks.{i}.norm1", d)
         yield from _linear(f"blocks.{i}.attn.qkv", d, 3 * d, bias=cfg.qkv_bias)
         if cfg.posemb == "relative":
-            yield f"blocks.{i}.attn.rel_pos", (2 * (cfg.num_prefix_tokens + cfg.num_patches) - 1, d)
+            yield f"blocks.{i}.attn.rel_pos", (2 * cfg.num_tokens - 1, d)
         yield from _linear(f"blocks.{i}.attn.proj", d, d)
         yield from _norm(f"blocks.{i}.norm2", d)
         yield from _linear(f"blocks.{i}.mlp.fc1", d, cfg.mlp_dim)

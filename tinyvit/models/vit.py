@@ -110,19 +110,23 @@ class ViTConfig:
     def num_prefix_tokens(self) -> int:
         return 1 if self.pool == "token" else 0
 
+    @property
+    def num_tokens(self) -> int:
+        """T = N + the class token (if any): the sequence length of Eq. 2-3."""
+        return self.num_patches + self.num_prefix_tokens
+
     def count_parameters(self) -> int:
         """Number of parameters of ViT(self), computed from the config (matches the built model)."""
         d, c, p = self.dim, self.in_channels, self.patch_size
-        n = self.num_patches
         total = (c * p * p + 1) * d                                     # patch embedding E and bias
         total += d if self.pool == "token" else 0                        # class token
         if self.posemb == "learned-1d":
-            total += (n + self.num_prefix_tokens) * d
+            total += self.num_tokens * d
         elif self.posemb == "learned-2d":
             total += 2 * self.grid_size * (d // 2)
         per_block = 4 * d                                               # two LayerNorms
         if self.posemb == "relative":                                   # a table of 2T - 1 offsets per block
-            per_block += (2 * (n + self.num_prefix_tokens) - 1) * d
+            per_block += (2 * self.num_tokens - 1) * d
         per_block += d * 3 * d + (3 * d if self.qkv_bias else 0)         # qkv
         per_block += d * d + d                                          # output projection
         per_block += 2 * d * self.mlp_dim + self.mlp_dim + d              # MLP
@@ -138,7 +142,7 @@ class ViTConfig:
     def forward_flops(self) -> int:
         """Multiply-add FLOPs (2 per MAC) of one image's forward pass: every matmul, attention included;
         element-wise ops are ignored, as is usual."""
-        d, t = self.dim, self.num_patches + self.num_prefix_tokens
+        d, t = self.dim, self.num_tokens
         flops = 2 * self.num_patches * self.in_channels * self.patch_size ** 2 * d   # patch embedding
         per_block = 2 * t * d * 3 * d          # qkv
         per_block += 2 * 2 * t * t * d         # q k^T and A v over all heads
@@ -192,8 +196,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.ln_eps)
         if cfg.posemb == "relative":      # appendix D.4: a position bias in every layer's logits
-            tokens = cfg.num_patches + cfg.num_prefix_tokens
-            self.attn = nn.RelativeMultiHeadAttention(cfg.dim, cfg.num_heads, tokens, qkv_bias=cfg.qkv_bias,
+            self.attn = nn.RelativeMultiHeadAttention(cfg.dim, cfg.num_heads, cfg.num_tokens, qkv_bias=cfg.qkv_bias,
                                                       attn_dropout=cfg.attn_dropout, proj_dropout=cfg.dropout)
         else:
             self.attn = nn.MultiHeadAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias,
@@ -246,7 +249,7 @@ class ViT(nn.Module):
             self.cls_token = nn.Parameter(np.zeros((1, 1, d), dtype))          # x_class, zeros
         gh = gw = cfg.grid_size
         if cfg.posemb == "learned-1d":  # E_pos in R^{(N+1) x D}, N(0, 0.02) as the official code
-            self.pos_embed = nn.init.normal_(nn.Parameter(np.zeros((1, cfg.num_prefix_tokens + gh * gw, d), dtype)),
+            self.pos_embed = nn.init.normal_(nn.Parameter(np.zeros((1, cfg.num_tokens, d), dtype)),
                                              std=0.02)
         elif cfg.posemb == "learned-2d":  # appendix D.4: an X and a Y table of D/2 each
             self.pos_embed_row = nn.init.normal_(nn.Parameter(np.zeros((gh, d // 2), dtype)), std=0.02)

@@ -257,8 +257,7 @@ def _train(cfg, model, objective, progress, stop_after_epoch, log, held: context
                     + ("" if epoch == plan.epochs else f"  ({clock.describe(sched.step_count)})"))
                 if stop_after_epoch is not None and epoch >= stop_after_epoch:
                     break
-                if world.size > 1:                        # a signal that came during the evaluation
-                    stop_together(world)
+                stop_together(world)                      # a signal that came during the evaluation
         except KeyboardInterrupt as stop:                 # Ctrl-C, or Stopped (SIGTERM, SIGHUP)
             why = "interrupted" if getattr(stop, "signum", signal.SIGINT) == signal.SIGINT else f"stopped by {stop}"
             if checkpoint():
@@ -426,8 +425,7 @@ def _train_one_epoch(model, forward, objective, opt, sched, loader, cfg, epoch, 
                 resume_at = _resume_point(loader)
             last_step = step_in_epoch == steps_here
             if step_in_epoch % CHECK_EVERY == 0 or last_step:
-                if world.size > 1:                   # every rank is at this step: stop here if any was signalled
-                    stop_together(world)
+                stop_together(world)                 # every rank is at this step: stop here if any was signalled
                 t = totals()
                 mean_loss = t["loss"] / t["seen"]
                 if not math.isfinite(mean_loss):

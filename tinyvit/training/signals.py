@@ -46,7 +46,8 @@ def request_stop(signum, frame):
 
 def stop_together(world) -> None:
     """At a step every rank has reached: when any rank has received a stop signal, raise Stopped on
-    every rank (with the signal of the lowest rank that had one), so that all stop at this step."""
+    every rank (with the signal of the lowest rank that had one), so that all stop at this step. In a
+    single process nothing is ever noted (its signals raise at once): nothing happens."""
     signum = next((s for s in world.gather(_requested[0] if _requested else 0) if s), 0)
     if signum:
         raise Stopped(signum, together=True)
